@@ -1,0 +1,22 @@
+#include "runtime/error.h"
+
+#include <cstring>
+
+namespace tandem::detail {
+
+static const char* basename_of(const char* file) {
+  const char* slash = std::strrchr(file, '/');
+  return slash ? slash + 1 : file;
+}
+
+void throw_error(const char* file, int line, std::string msg) {
+  msg += fmt::format(" ({}:{})", basename_of(file), line);
+  throw Error(msg);
+}
+
+void throw_internal(const char* file, int line, const char* cond, std::string msg) {
+  throw Error(fmt::format("[internal] invariant `{}` failed at {}:{}{}{} (this is a tandem bug)",
+                          cond, basename_of(file), line, msg.empty() ? "" : ": ", msg));
+}
+
+}  // namespace tandem::detail

@@ -1,0 +1,37 @@
+// Worker: a thread with a queue of closures and its own current stream
+// (DESIGN §2). The forward and backward workers of the dual-pipe schedule are
+// Workers. The first exception a closure throws is captured and rethrown on
+// the caller at the next synchronize(); later closures are skipped until then.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "runtime/stream.h"
+#include "runtime/task_queue.h"
+
+namespace tandem {
+
+class Worker {
+ public:
+  // `device`: the device whose stream becomes the worker's current stream. On
+  // CPU the worker's stream is inline: ops run on the worker thread itself.
+  explicit Worker(std::string name, Device device = Device::cpu());
+  ~Worker();  // drains and joins; never throws
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  void submit(std::function<void()> fn);
+  // Waits for every submitted closure and for the worker's stream; rethrows the
+  // first error. Bounded by wait_timeout().
+  void synchronize();
+  const std::string& name() const { return queue_->name(); }
+  const Stream& stream() const { return stream_; }
+
+ private:
+  Stream stream_;
+  std::unique_ptr<TaskQueue> queue_;
+};
+
+}  // namespace tandem

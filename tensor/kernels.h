@@ -1,0 +1,114 @@
+// The kernel interface shared by tensor/cpu/ and tensor/cuda/.
+//
+// Front ends (tensor/ops_*.cpp) validate, allocate and then call the same
+// function in namespace cpu (inside a closure enqueued on the CPU stream) or
+// namespace cuda (which launches on the given cudaStream_t, passed as void*
+// last, STYLE). Kernels trust their launcher: shapes agree, outputs are
+// contiguous unless stated, dtypes are as documented per kernel.
+#pragma once
+
+#include <cstdint>
+
+#include "tensor/dtype.h"
+#include "tensor/shape.h"
+
+namespace tandem {
+
+class Tensor;
+
+// A strided view of a tensor's elements, passed by value to kernels.
+struct TensorArg {
+  void* data = nullptr;
+  DType dtype = DType::F32;
+  int ndim = 0;
+  int64_t shape[kMaxDims] = {};
+  int64_t strides[kMaxDims] = {};  // in elements
+  int64_t numel = 1;
+  bool contiguous = true;
+};
+TensorArg arg_of(const Tensor& t);
+// `t` with its shape broadcast to `shape` (stride 0 on broadcast dims).
+TensorArg broadcast_arg(const Tensor& t, const Shape& shape);
+
+enum class UnaryOp : uint8_t { Neg, Exp, Log, Sqrt, Rsqrt, Abs, Tanh, Sigmoid, Relu, Gelu, Silu };
+enum class BinaryOp : uint8_t { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge };
+constexpr bool is_comparison(BinaryOp op) { return op >= BinaryOp::Eq; }
+enum class ReduceOp : uint8_t { Sum, Mean, Max, Min, Argmax, Argmin };
+enum class RandomKind : uint8_t { Uniform, Normal };
+
+// Row-major GEMM over a batch: C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b],
+// op(X) = X^T when trans_x. A, B, C share the dtype (f32, f64, bf16, f16).
+struct GemmArgs {
+  const void* a;
+  const void* b;
+  void* c;
+  DType dtype;
+  int64_t batch, m, n, k;
+  int64_t lda, ldb, ldc;                 // leading dims (row strides) as stored
+  int64_t stride_a, stride_b, stride_c;  // batch strides; 0 broadcasts
+  bool trans_a, trans_b;
+  float alpha = 1.0f, beta = 0.0f;
+};
+
+// Declares one backend's kernels; each backend's namespace gets the same list.
+// CUDA versions take the stream (a cudaStream_t) as their last argument.
+#define TANDEM_DECLARE_KERNELS(...)                                                               \
+  /* out = op(in); out contiguous with in's shape; same dtype */                                  \
+  void unary(UnaryOp op, const TensorArg& in, const TensorArg& out __VA_ARGS__);                  \
+  /* a, b broadcast to out's shape, dtype of a == b; out: that dtype or bool (comparisons) */     \
+  void binary(BinaryOp op, const TensorArg& a, const TensorArg& b,                                \
+              const TensorArg& out __VA_ARGS__);                                                  \
+  /* out = op(a, s), or op(s, a) when scalar_first */                                             \
+  void binary_scalar(BinaryOp op, const TensorArg& a, double s, bool scalar_first,                \
+                     const TensorArg& out __VA_ARGS__);                                           \
+  /* cond bool, a and b of out's dtype, all broadcast to out's shape */                           \
+  void where(const TensorArg& cond, const TensorArg& a, const TensorArg& b,                       \
+             const TensorArg& out __VA_ARGS__);                                                   \
+  /* out[...] = cast(in[...]); same shape, both may be strided, dtypes may differ */              \
+  void copy(const TensorArg& in, const TensorArg& out __VA_ARGS__);                               \
+  void fill(const TensorArg& out, double value __VA_ARGS__); /* out may be strided */             \
+  void arange(const TensorArg& out, double start, double step __VA_ARGS__);                       \
+  void random(const TensorArg& out, RandomKind kind, uint64_t seed, uint64_t offset, double a,    \
+              double b __VA_ARGS__);                                                              \
+  /* in contiguous viewed as (outer, r, inner); out (outer, inner), i64 for arg ops */            \
+  void reduce(ReduceOp op, const TensorArg& in, int64_t outer, int64_t r, int64_t inner,          \
+              const TensorArg& out __VA_ARGS__);                                                  \
+  /* softmax / log_softmax / cumsum along r of a contiguous (outer, r, inner) */                  \
+  void softmax(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, bool log,            \
+               const TensorArg& out __VA_ARGS__);                                                 \
+  void cumsum(const TensorArg& in, int64_t outer, int64_t r, int64_t inner,                       \
+              const TensorArg& out __VA_ARGS__);                                                  \
+  /* x (rows, d) contiguous; weight/bias (d) or data == nullptr; mean/rstd f32 (rows) */          \
+  void layer_norm(const TensorArg& x, const TensorArg& weight, const TensorArg& bias, double eps, \
+                  int64_t rows, int64_t d, const TensorArg& out, const TensorArg& mean,           \
+                  const TensorArg& rstd __VA_ARGS__);                                             \
+  void rms_norm(const TensorArg& x, const TensorArg& weight, double eps, int64_t rows, int64_t d, \
+                const TensorArg& out, const TensorArg& rstd __VA_ARGS__);                         \
+  void gemm(const GemmArgs& args __VA_ARGS__);                                                    \
+  /* in (outer, n, inner) contiguous, index i64 (k) in [0, n); out (outer, k, inner) */           \
+  void index_select(const TensorArg& in, int64_t outer, int64_t n, int64_t inner,                 \
+                    const TensorArg& index, const TensorArg& out __VA_ARGS__);                    \
+  /* in (outer, n, inner), index i64 (outer, k, inner), out (outer, k, inner): contiguous */      \
+  void gather(const TensorArg& in, int64_t outer, int64_t n, int64_t inner,                       \
+              const TensorArg& index, int64_t k, const TensorArg& out __VA_ARGS__);               \
+  /* out (outer, n, inner) += src (outer, k, inner) at index (outer, k, inner) */                 \
+  void scatter_add(const TensorArg& out, int64_t outer, int64_t n, int64_t inner,                 \
+                   const TensorArg& index, int64_t k, const TensorArg& src __VA_ARGS__);          \
+  /* rows x n contiguous; values (rows, k) in in's dtype, indices i64; sorted; ties: low index */ \
+  void topk(const TensorArg& in, int64_t rows, int64_t n, int64_t k, bool largest,                \
+            const TensorArg& values, const TensorArg& indices __VA_ARGS__);                       \
+  void argsort(const TensorArg& in, int64_t rows, int64_t n, bool descending,                     \
+               const TensorArg& indices __VA_ARGS__);                                             \
+  /* indices i64 (n) in [0, classes); out i64 (n, classes) */                                     \
+  void one_hot(const TensorArg& indices, int64_t n, int64_t classes,                              \
+               const TensorArg& out __VA_ARGS__);
+
+namespace cpu {
+TANDEM_DECLARE_KERNELS()
+}  // namespace cpu
+
+namespace cuda {
+TANDEM_DECLARE_KERNELS(, void* stream)
+}  // namespace cuda
+
+}  // namespace tandem

@@ -1,0 +1,202 @@
+// The tensor layer's operations (DESIGN §3). Every function checks its inputs
+// once, here at the front end (errors read `[tensor::op] expected …, got …`),
+// allocates its output on the operands' device and enqueues the kernel on the
+// calling thread's current stream (Note [Stream ordering]). Kernels live in
+// tensor/cpu/ and tensor/cuda/ and trust their launcher.
+//
+// These functions are not differentiable; autograd/ wraps them.
+#pragma once
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "tensor/random.h"
+#include "tensor/tensor.h"
+
+namespace tandem::ops {
+
+// ---- factories ----
+Tensor zeros(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
+Tensor ones(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
+Tensor full(const Shape& shape, double value, DType dtype = DType::F32,
+            Device device = Device::cpu());
+// [start, end) with `step`; dtype i64 unless given.
+Tensor arange(double start, double end, double step = 1.0, DType dtype = DType::I64,
+              Device device = Device::cpu());
+template <class T>
+Tensor from_vector(const std::vector<T>& values, const Shape& shape, Device device = Device::cpu());
+Tensor scalar_tensor(double value, DType dtype = DType::F32, Device device = Device::cpu());
+// Counter-based random numbers (tensor/random.h): identical on CPU and CUDA for
+// the same generator state. Each call advances the generator by numel.
+Tensor rand(const Shape& shape, Generator& gen, DType dtype = DType::F32,
+            Device device = Device::cpu());  // uniform [0, 1)
+Tensor randn(const Shape& shape, Generator& gen, DType dtype = DType::F32,
+             Device device = Device::cpu());
+Tensor normal(const Shape& shape, double mean, double stddev, Generator& gen,
+              DType dtype = DType::F32, Device device = Device::cpu());
+Tensor uniform(const Shape& shape, double low, double high, Generator& gen,
+               DType dtype = DType::F32, Device device = Device::cpu());
+Tensor empty_like(const Tensor& t);
+Tensor zeros_like(const Tensor& t);
+Tensor ones_like(const Tensor& t);
+Tensor full_like(const Tensor& t, double value);
+
+// ---- views: share storage, no copy ----
+// view() needs compatible strides (error otherwise); reshape() copies when needed.
+// One extent may be -1.
+Tensor view(const Tensor& t, const Shape& shape);
+Tensor reshape(const Tensor& t, const Shape& shape);
+Tensor flatten(const Tensor& t, int64_t start_dim = 0, int64_t end_dim = -1);
+Tensor permute(const Tensor& t, const Dims& dims);
+Tensor transpose(const Tensor& t, int64_t dim0, int64_t dim1);
+Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t length);
+// Python-style slice [start, end) with step > 0; negative and out-of-range
+// bounds clamp as in Python.
+Tensor slice(const Tensor& t, int64_t dim, int64_t start, int64_t end, int64_t step = 1);
+Tensor select(const Tensor& t, int64_t dim, int64_t index);
+Tensor expand(const Tensor& t, const Shape& shape);  // -1 keeps an extent
+Tensor squeeze(const Tensor& t);                     // all size-1 dims
+Tensor squeeze(const Tensor& t, int64_t dim);
+Tensor unsqueeze(const Tensor& t, int64_t dim);
+// split into pieces of `split_size` (last may be smaller) / of the given sizes.
+std::vector<Tensor> split(const Tensor& t, int64_t split_size, int64_t dim = 0);
+std::vector<Tensor> split_sizes(const Tensor& t, const std::vector<int64_t>& sizes,
+                                int64_t dim = 0);
+// `chunks` pieces of ceil(n/chunks) (fewer when n is small), like torch.chunk.
+std::vector<Tensor> chunk(const Tensor& t, int64_t chunks, int64_t dim = 0);
+
+// ---- copies ----
+Tensor contiguous(const Tensor& t);  // returns t itself when already contiguous
+Tensor clone(const Tensor& t);
+Tensor to(const Tensor& t, Device device);  // synchronises across devices
+Tensor to(const Tensor& t, DType dtype);
+// dst[...] = src (broadcast to dst's shape, cast to dst's dtype). dst may be a view.
+void copy_(const Tensor& dst, const Tensor& src);
+void fill_(const Tensor& dst, double value);
+Tensor cat(const std::vector<Tensor>& tensors, int64_t dim = 0);
+Tensor stack(const std::vector<Tensor>& tensors, int64_t dim = 0);
+
+// ---- elementwise (broadcasting; result dtype by promotion) ----
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor pow(const Tensor& a, const Tensor& b);
+Tensor maximum(const Tensor& a, const Tensor& b);
+Tensor minimum(const Tensor& a, const Tensor& b);
+Tensor add(const Tensor& a, double s);
+Tensor sub(const Tensor& a, double s);
+Tensor rsub(const Tensor& a, double s);  // s - a
+Tensor mul(const Tensor& a, double s);
+Tensor div(const Tensor& a, double s);
+Tensor rdiv(const Tensor& a, double s);  // s / a
+Tensor pow(const Tensor& a, double exponent);
+Tensor neg(const Tensor& a);
+Tensor exp(const Tensor& a);
+Tensor log(const Tensor& a);
+Tensor sqrt(const Tensor& a);
+Tensor rsqrt(const Tensor& a);
+Tensor abs(const Tensor& a);
+Tensor tanh(const Tensor& a);
+Tensor sigmoid(const Tensor& a);
+Tensor relu(const Tensor& a);
+Tensor gelu(const Tensor& a);  // tanh approximation (GPT-2, llm.c)
+Tensor silu(const Tensor& a);
+// Comparisons return bool tensors.
+Tensor eq(const Tensor& a, const Tensor& b);
+Tensor ne(const Tensor& a, const Tensor& b);
+Tensor lt(const Tensor& a, const Tensor& b);
+Tensor le(const Tensor& a, const Tensor& b);
+Tensor gt(const Tensor& a, const Tensor& b);
+Tensor ge(const Tensor& a, const Tensor& b);
+Tensor eq(const Tensor& a, double s);
+Tensor ne(const Tensor& a, double s);
+Tensor lt(const Tensor& a, double s);
+Tensor le(const Tensor& a, double s);
+Tensor gt(const Tensor& a, double s);
+Tensor ge(const Tensor& a, double s);
+// cond ? a : b, broadcasting all three; cond is bool.
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+Tensor where(const Tensor& cond, const Tensor& a, double b);
+
+Tensor operator+(const Tensor& a, const Tensor& b);
+Tensor operator-(const Tensor& a, const Tensor& b);
+Tensor operator*(const Tensor& a, const Tensor& b);
+Tensor operator/(const Tensor& a, const Tensor& b);
+Tensor operator+(const Tensor& a, double s);
+Tensor operator-(const Tensor& a, double s);
+Tensor operator*(const Tensor& a, double s);
+Tensor operator/(const Tensor& a, double s);
+Tensor operator-(const Tensor& a);
+
+// ---- reductions over dims (empty dims = all) ----
+Tensor sum(const Tensor& t, const Dims& dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& t, const Dims& dims = {}, bool keepdim = false);
+Tensor amax(const Tensor& t, const Dims& dims = {}, bool keepdim = false);
+Tensor amin(const Tensor& t, const Dims& dims = {}, bool keepdim = false);
+// max over one dim: values and i64 indices (first occurrence).
+std::pair<Tensor, Tensor> max(const Tensor& t, int64_t dim, bool keepdim = false);
+Tensor argmax(const Tensor& t, int64_t dim, bool keepdim = false);
+Tensor argmin(const Tensor& t, int64_t dim, bool keepdim = false);
+Tensor cumsum(const Tensor& t, int64_t dim);
+Tensor softmax(const Tensor& t, int64_t dim = -1);
+Tensor log_softmax(const Tensor& t, int64_t dim = -1);
+
+// ---- linear algebra ----
+// (…, M, K) x (…, K, N) with broadcast batch dims; 1-D operands as in numpy.
+// f32, f64, bf16, f16 (16-bit inputs accumulate in f32).
+Tensor matmul(const Tensor& a, const Tensor& b);
+
+// ---- normalisation (over the last dim) ----
+struct NormResult {
+  Tensor out;
+  Tensor mean;  // (rows) f32; undefined for rms_norm
+  Tensor rstd;  // (rows) f32
+};
+// weight/bias: (D) or undefined.
+NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
+
+// ---- indexing ----
+Tensor embedding(const Tensor& weight, const Tensor& indices);  // (V, D)[idx] -> (*idx, D)
+Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index);  // index: 1-D i64/i32
+// out[i][j][k] = t[i][index[i][j][k]][k] for dim = 1 (index same rank as t).
+Tensor gather(const Tensor& t, int64_t dim, const Tensor& index);
+// Returns a copy of `t` with src added at the index positions along dim.
+Tensor scatter_add(const Tensor& t, int64_t dim, const Tensor& index, const Tensor& src);
+// Largest (or smallest) k along dim, sorted; values and i64 indices.
+std::pair<Tensor, Tensor> topk(const Tensor& t, int64_t k, int64_t dim = -1, bool largest = true);
+Tensor argsort(const Tensor& t, int64_t dim = -1, bool descending = false);  // stable
+Tensor one_hot(const Tensor& indices, int64_t num_classes);                  // i64 output
+
+// ---- losses and attention ----
+// logits (N, C), targets (N) integer; mean over targets != ignore_index.
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
+
+// Scaled dot-product attention on (B, H, S, D) layouts (BHSD).
+// q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D) with Hq % Hkv == 0 (grouped-query
+// heads: query head h uses kv head h / (Hq / Hkv)). With `causal`, query at
+// global position q_offset + i attends to keys at global positions
+// k_offset + j <= q_offset + i (positions matter when the sequence is sharded).
+struct AttentionOptions {
+  bool causal = false;
+  int64_t q_offset = 0;
+  int64_t k_offset = 0;
+  std::optional<double> scale;  // default 1/sqrt(D)
+};
+struct AttentionResult {
+  Tensor out;  // (B, Hq, Sq, D)
+  Tensor lse;  // (B, Hq, Sq) f32 log-sum-exp of the scaled scores (for ring merges)
+};
+AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const AttentionOptions& options = {});
+
+// ---- utilities ----
+bool allclose(const Tensor& a, const Tensor& b, double rtol = 1e-5, double atol = 1e-8);
+bool equal(const Tensor& a, const Tensor& b);  // same shape and identical values
+// Threads used by CPU matrix products (OpenBLAS); default 1.
+void set_num_threads(int n);
+int num_threads();
+
+}  // namespace tandem::ops
