@@ -1,0 +1,423 @@
+// Front ends of the neural-network ops in tensor/ops.h: normalisation,
+// indexing, sorting, cross_entropy and scaled dot-product attention.
+//
+// The kernel-backed ops check shapes, dtypes and devices here, make their
+// operands contiguous, convert i32 indices to i64, view every operand as the
+// (outer, n, inner) layout tensor/kernels.h describes and dispatch. Index
+// values are checked by the kernels (they are data). cross_entropy and
+// scaled_dot_product_attention are compositions of other ops, so they run on
+// any device that has those ops.
+#include <cmath>
+#include <limits>
+
+#include "tensor/dispatch.h"
+#include "tensor/kernels.h"
+#include "tensor/ops.h"
+
+namespace tandem::ops {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+void check_defined(const Tensor& t, const char* op, const char* name) {
+  TANDEM_CHECK(t.defined(), "[tensor::{}] expected a defined tensor for {}, got an empty handle",
+               op, name);
+}
+
+void check_same_device(const Tensor& a, const Tensor& b, const char* op, const char* a_name,
+                       const char* b_name) {
+  TANDEM_CHECK(a.device() == b.device(),
+               "[tensor::{}] expected {} and {} on one device, got {} and {}", op, a_name, b_name,
+               a.device(), b.device());
+}
+
+// A kernel argument for an optional tensor: data == nullptr when undefined.
+TensorArg optional_arg(const Tensor& t) {
+  return t.defined() ? arg_of(t) : TensorArg{};
+}
+
+// The index operand of the indexing ops: i64 (i32 converted), contiguous.
+Tensor index_i64(const Tensor& index, const char* op) {
+  TANDEM_CHECK(is_integral(index.dtype()), "[tensor::{}] expected an i64 or i32 index, got {}", op,
+               dtype_name(index.dtype()));
+  return contiguous(index.dtype() == DType::I64 ? index : to(index, DType::I64));
+}
+
+// The extents before and after `dim`: a contiguous tensor of `shape` is an
+// (outer, shape[dim], inner) array.
+struct Around {
+  int64_t outer = 1;
+  int64_t inner = 1;
+};
+Around around(const Shape& shape, int dim) {
+  Around a;
+  for (int i = 0; i < dim; ++i)
+    a.outer *= shape[i];
+  for (int i = dim + 1; i < shape.size(); ++i)
+    a.inner *= shape[i];
+  return a;
+}
+
+Tensor cast_if_needed(const Tensor& t, DType dtype) {
+  return t.dtype() == dtype ? t : to(t, dtype);
+}
+
+// Common checks of the optional affine parameters of layer_norm / rms_norm.
+void check_norm_param(const Tensor& p, const Tensor& x, const char* op, const char* name) {
+  if (!p.defined()) return;
+  const int64_t d = x.size(-1);
+  TANDEM_CHECK(p.shape() == Shape{d}, "[tensor::{}] expected {} of shape [{}] (x={}), got {}", op,
+               name, d, x.shape(), p.shape());
+  TANDEM_CHECK(p.dtype() == x.dtype(), "[tensor::{}] expected {} of x's dtype {}, got {}", op, name,
+               dtype_name(x.dtype()), dtype_name(p.dtype()));
+  check_same_device(x, p, op, "x", name);
+}
+
+void check_norm_input(const Tensor& x, const char* op) {
+  check_defined(x, op, "x");
+  TANDEM_CHECK(x.dim() >= 1, "[tensor::{}] expected x with at least 1 dim, got shape {}", op,
+               x.shape());
+  TANDEM_CHECK(is_floating(x.dtype()), "[tensor::{}] expected a floating x, got {}", op,
+               dtype_name(x.dtype()));
+}
+
+// Checks shared by topk and argsort; returns the wrapped dim.
+int check_sort_input(const Tensor& t, int64_t dim, const char* op) {
+  check_defined(t, op, "t");
+  TANDEM_CHECK(t.dim() >= 1, "[tensor::{}] expected a tensor with at least 1 dim, got shape {}", op,
+               t.shape());
+  TANDEM_CHECK(t.dtype() != DType::Bool, "[tensor::{}] expected a numeric dtype, got bool", op);
+  return wrap_dim(dim, t.dim(), op);
+}
+
+}  // namespace
+
+// ---- normalisation ----
+
+NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  check_norm_input(x, "layer_norm");
+  check_norm_param(weight, x, "layer_norm", "weight");
+  check_norm_param(bias, x, "layer_norm", "bias");
+  TANDEM_CHECK(eps >= 0.0, "[tensor::layer_norm] expected eps >= 0, got {}", eps);
+  const Tensor xc = contiguous(x);
+  const Tensor wc = weight.defined() ? contiguous(weight) : Tensor();
+  const Tensor bc = bias.defined() ? contiguous(bias) : Tensor();
+  const int64_t d = x.size(-1);
+  const int64_t rows = around(x.shape(), x.dim() - 1).outer;
+  const Device dev = x.device();
+  NormResult r;
+  r.out = empty(x.shape(), x.dtype(), dev);
+  r.mean = empty({rows}, DType::F32, dev);
+  r.rstd = empty({rows}, DType::F32, dev);
+  const TensorArg xa = arg_of(xc), wa = optional_arg(wc), ba = optional_arg(bc);
+  const TensorArg oa = arg_of(r.out), ma = arg_of(r.mean), ra = arg_of(r.rstd);
+  detail::dispatch(
+      dev, [=] { cpu::layer_norm(xa, wa, ba, eps, rows, d, oa, ma, ra); },
+      [=](void* s) { cuda::layer_norm(xa, wa, ba, eps, rows, d, oa, ma, ra, s); }, xc, wc, bc,
+      r.out, r.mean, r.rstd);
+  return r;
+}
+
+NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  check_norm_input(x, "rms_norm");
+  check_norm_param(weight, x, "rms_norm", "weight");
+  TANDEM_CHECK(eps >= 0.0, "[tensor::rms_norm] expected eps >= 0, got {}", eps);
+  const Tensor xc = contiguous(x);
+  const Tensor wc = weight.defined() ? contiguous(weight) : Tensor();
+  const int64_t d = x.size(-1);
+  const int64_t rows = around(x.shape(), x.dim() - 1).outer;
+  const Device dev = x.device();
+  NormResult r;
+  r.out = empty(x.shape(), x.dtype(), dev);
+  r.rstd = empty({rows}, DType::F32, dev);
+  const TensorArg xa = arg_of(xc), wa = optional_arg(wc);
+  const TensorArg oa = arg_of(r.out), ra = arg_of(r.rstd);
+  detail::dispatch(
+      dev, [=] { cpu::rms_norm(xa, wa, eps, rows, d, oa, ra); },
+      [=](void* s) { cuda::rms_norm(xa, wa, eps, rows, d, oa, ra, s); }, xc, wc, r.out, r.rstd);
+  return r;
+}
+
+// ---- indexing ----
+
+Tensor embedding(const Tensor& weight, const Tensor& indices) {
+  check_defined(weight, "embedding", "weight");
+  check_defined(indices, "embedding", "indices");
+  TANDEM_CHECK(weight.dim() == 2, "[tensor::embedding] expected a 2-D weight (V, D), got shape {}",
+               weight.shape());
+  TANDEM_CHECK(is_integral(indices.dtype()),
+               "[tensor::embedding] expected i64 or i32 indices, got {}",
+               dtype_name(indices.dtype()));
+  check_same_device(weight, indices, "embedding", "weight", "indices");
+  Shape out_shape = indices.shape();
+  TANDEM_CHECK(out_shape.size() < kMaxDims,
+               "[tensor::embedding] expected indices with at most {} dims, got shape {}",
+               kMaxDims - 1, indices.shape());
+  out_shape.push_back(weight.size(1));
+  const Tensor rows = index_select(weight, 0, reshape(indices, {indices.numel()}));
+  return reshape(rows, out_shape);
+}
+
+Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index) {
+  check_defined(t, "index_select", "t");
+  check_defined(index, "index_select", "index");
+  TANDEM_CHECK(t.dim() >= 1, "[tensor::index_select] expected t with at least 1 dim, got shape {}",
+               t.shape());
+  TANDEM_CHECK(index.dim() == 1, "[tensor::index_select] expected a 1-D index, got shape {}",
+               index.shape());
+  check_same_device(t, index, "index_select", "t", "index");
+  const int d = wrap_dim(dim, t.dim(), "index_select");
+  const Tensor idx = index_i64(index, "index_select");
+  const Tensor tc = contiguous(t);
+  const Around a = around(t.shape(), d);
+  const int64_t n = t.size(d);
+  Shape out_shape = t.shape();
+  out_shape[d] = idx.numel();
+  Tensor out = empty(out_shape, t.dtype(), t.device());
+  const TensorArg ta = arg_of(tc), ia = arg_of(idx), oa = arg_of(out);
+  const int64_t outer = a.outer, inner = a.inner;
+  detail::dispatch(
+      t.device(), [=] { cpu::index_select(ta, outer, n, inner, ia, oa); },
+      [=](void* s) { cuda::index_select(ta, outer, n, inner, ia, oa, s); }, tc, idx, out);
+  return out;
+}
+
+Tensor gather(const Tensor& t, int64_t dim, const Tensor& index) {
+  check_defined(t, "gather", "t");
+  check_defined(index, "gather", "index");
+  TANDEM_CHECK(t.dim() >= 1, "[tensor::gather] expected t with at least 1 dim, got shape {}",
+               t.shape());
+  TANDEM_CHECK(index.dim() == t.dim(),
+               "[tensor::gather] expected index of t's rank {}, got rank {} (t={}, index={})",
+               t.dim(), index.dim(), t.shape(), index.shape());
+  check_same_device(t, index, "gather", "t", "index");
+  const int d = wrap_dim(dim, t.dim(), "gather");
+  // Like torch.gather, index may be smaller than t off `dim`: only the leading
+  // part of t is read there, so narrow t to index's extents first.
+  Tensor src = t;
+  for (int i = 0; i < t.dim(); ++i) {
+    if (i == d) continue;
+    TANDEM_CHECK(index.size(i) <= t.size(i),
+                 "[tensor::gather] expected index.shape[{}] <= t.shape[{}], got {} vs {} (t={}, "
+                 "index={})",
+                 i, i, index.size(i), t.size(i), t.shape(), index.shape());
+    if (index.size(i) < t.size(i)) src = narrow(src, i, 0, index.size(i));
+  }
+  const Tensor idx = index_i64(index, "gather");
+  const Tensor sc = contiguous(src);
+  const Around a = around(index.shape(), d);
+  const int64_t n = t.size(d), k = index.size(d), outer = a.outer, inner = a.inner;
+  Tensor out = empty(index.shape(), t.dtype(), t.device());
+  const TensorArg sa = arg_of(sc), ia = arg_of(idx), oa = arg_of(out);
+  detail::dispatch(
+      t.device(), [=] { cpu::gather(sa, outer, n, inner, ia, k, oa); },
+      [=](void* s) { cuda::gather(sa, outer, n, inner, ia, k, oa, s); }, sc, idx, out);
+  return out;
+}
+
+Tensor scatter_add(const Tensor& t, int64_t dim, const Tensor& index, const Tensor& src) {
+  check_defined(t, "scatter_add", "t");
+  check_defined(index, "scatter_add", "index");
+  check_defined(src, "scatter_add", "src");
+  TANDEM_CHECK(t.dim() >= 1, "[tensor::scatter_add] expected t with at least 1 dim, got shape {}",
+               t.shape());
+  TANDEM_CHECK(index.dim() == t.dim() && src.dim() == t.dim(),
+               "[tensor::scatter_add] expected t, index and src of one rank, got {}, {} and {} "
+               "(t={}, index={}, src={})",
+               t.dim(), index.dim(), src.dim(), t.shape(), index.shape(), src.shape());
+  TANDEM_CHECK(src.dtype() == t.dtype(),
+               "[tensor::scatter_add] expected src of t's dtype {}, got {}", dtype_name(t.dtype()),
+               dtype_name(src.dtype()));
+  TANDEM_CHECK(t.dtype() != DType::Bool,
+               "[tensor::scatter_add] expected a numeric dtype, got bool");
+  check_same_device(t, index, "scatter_add", "t", "index");
+  check_same_device(t, src, "scatter_add", "t", "src");
+  const int d = wrap_dim(dim, t.dim(), "scatter_add");
+  // As in torch.scatter_add_: index.shape <= src.shape everywhere and
+  // <= t.shape off `dim`; only that leading part of src and of t takes part.
+  Tensor src_part = src;
+  for (int i = 0; i < t.dim(); ++i) {
+    TANDEM_CHECK(index.size(i) <= src.size(i) && (i == d || index.size(i) <= t.size(i)),
+                 "[tensor::scatter_add] expected index.shape[{}] <= src.shape[{}]{}, got index={}, "
+                 "src={}, t={} (dim={})",
+                 i, i, i == d ? "" : " and <= t.shape", index.shape(), src.shape(), t.shape(), d);
+    if (index.size(i) < src.size(i)) src_part = narrow(src_part, i, 0, index.size(i));
+  }
+  const Tensor idx = index_i64(index, "scatter_add");
+  const Tensor sc = contiguous(src_part);
+  Tensor out = contiguous(clone(t));
+  Tensor target = out;
+  for (int i = 0; i < t.dim(); ++i) {
+    if (i != d && index.size(i) < t.size(i)) target = narrow(target, i, 0, index.size(i));
+  }
+  // The kernel needs a contiguous (outer, n, inner) output: scatter into a
+  // copy of the narrowed part when it is strided, then copy it back.
+  Tensor work = contiguous(target);
+  const Around a = around(index.shape(), d);
+  const int64_t n = t.size(d), k = index.size(d), outer = a.outer, inner = a.inner;
+  const TensorArg wa = arg_of(work), ia = arg_of(idx), sa = arg_of(sc);
+  detail::dispatch(
+      t.device(), [=] { cpu::scatter_add(wa, outer, n, inner, ia, k, sa); },
+      [=](void* s) { cuda::scatter_add(wa, outer, n, inner, ia, k, sa, s); }, work, idx, sc);
+  if (!work.is_alias_of(target)) copy_(target, work);
+  return out;
+}
+
+// ---- sorting ----
+
+std::pair<Tensor, Tensor> topk(const Tensor& t, int64_t k, int64_t dim, bool largest) {
+  const int d = check_sort_input(t, dim, "topk");
+  const int64_t n = t.size(d);
+  TANDEM_CHECK(k >= 0 && k <= n, "[tensor::topk] expected k in [0, {}] (t={}, dim={}), got {}", n,
+               t.shape(), d, k);
+  const int last = t.dim() - 1;
+  const Tensor xc = contiguous(transpose(t, d, last));
+  Shape out_shape = xc.shape();
+  out_shape[last] = k;
+  Tensor values = empty(out_shape, t.dtype(), t.device());
+  Tensor indices = empty(out_shape, DType::I64, t.device());
+  const int64_t rows = around(xc.shape(), last).outer;
+  const TensorArg xa = arg_of(xc), va = arg_of(values), ia = arg_of(indices);
+  detail::dispatch(
+      t.device(), [=] { cpu::topk(xa, rows, n, k, largest, va, ia); },
+      [=](void* s) { cuda::topk(xa, rows, n, k, largest, va, ia, s); }, xc, values, indices);
+  return {transpose(values, d, last), transpose(indices, d, last)};
+}
+
+Tensor argsort(const Tensor& t, int64_t dim, bool descending) {
+  const int d = check_sort_input(t, dim, "argsort");
+  const int64_t n = t.size(d);
+  const int last = t.dim() - 1;
+  const Tensor xc = contiguous(transpose(t, d, last));
+  Tensor indices = empty(xc.shape(), DType::I64, t.device());
+  const int64_t rows = around(xc.shape(), last).outer;
+  const TensorArg xa = arg_of(xc), ia = arg_of(indices);
+  detail::dispatch(
+      t.device(), [=] { cpu::argsort(xa, rows, n, descending, ia); },
+      [=](void* s) { cuda::argsort(xa, rows, n, descending, ia, s); }, xc, indices);
+  return transpose(indices, d, last);
+}
+
+Tensor one_hot(const Tensor& indices, int64_t num_classes) {
+  check_defined(indices, "one_hot", "indices");
+  TANDEM_CHECK(num_classes > 0, "[tensor::one_hot] expected num_classes > 0, got {}", num_classes);
+  Shape out_shape = indices.shape();
+  TANDEM_CHECK(out_shape.size() < kMaxDims,
+               "[tensor::one_hot] expected indices with at most {} dims, got shape {}",
+               kMaxDims - 1, indices.shape());
+  out_shape.push_back(num_classes);
+  const Tensor idx = index_i64(indices, "one_hot");
+  const int64_t n = idx.numel();
+  Tensor out = empty(out_shape, DType::I64, indices.device());
+  const TensorArg ia = arg_of(idx), oa = arg_of(out);
+  detail::dispatch(
+      indices.device(), [=] { cpu::one_hot(ia, n, num_classes, oa); },
+      [=](void* s) { cuda::one_hot(ia, n, num_classes, oa, s); }, idx, out);
+  return out;
+}
+
+// ---- losses and attention ----
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
+  check_defined(logits, "cross_entropy", "logits");
+  check_defined(targets, "cross_entropy", "targets");
+  TANDEM_CHECK(logits.dim() == 2,
+               "[tensor::cross_entropy] expected 2-D logits (N, C), got shape {}", logits.shape());
+  TANDEM_CHECK(is_floating(logits.dtype()),
+               "[tensor::cross_entropy] expected floating logits, got {}",
+               dtype_name(logits.dtype()));
+  TANDEM_CHECK(targets.dim() == 1 && targets.size(0) == logits.size(0),
+               "[tensor::cross_entropy] expected targets of shape [{}] (logits={}), got {}",
+               logits.size(0), logits.shape(), targets.shape());
+  TANDEM_CHECK(is_integral(targets.dtype()),
+               "[tensor::cross_entropy] expected i64 or i32 targets, got {}",
+               dtype_name(targets.dtype()));
+  check_same_device(logits, targets, "cross_entropy", "logits", "targets");
+  // Accumulate in f32 (f64 for f64 logits); only the N picked values are cast.
+  const DType acc = logits.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  const Tensor t64 = cast_if_needed(targets, DType::I64);
+  const Tensor valid = ne(t64, static_cast<double>(ignore_index));
+  // Ignored targets may hold any value (e.g. -100): read class 0 there instead
+  // and drop it with the mask, so gather's range check sees only real classes.
+  const Tensor safe = where(valid, t64, zeros_like(t64));
+  const Tensor logp = log_softmax(logits, 1);
+  const Tensor picked = cast_if_needed(squeeze(gather(logp, 1, unsqueeze(safe, 1)), 1), acc);
+  // where, not a multiply by the mask: an ignored row's class 0 may be -inf.
+  const Tensor total = sum(where(valid, neg(picked), 0.0));
+  const Tensor count = sum(to(valid, acc));
+  // No valid target: total is 0, and dividing by max(count, 1) returns 0, not NaN.
+  return div(total, maximum(count, ones_like(count)));
+}
+
+AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const AttentionOptions& options) {
+  constexpr const char* op = "scaled_dot_product_attention";
+  check_defined(q, op, "q");
+  check_defined(k, op, "k");
+  check_defined(v, op, "v");
+  TANDEM_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+               "[tensor::{}] expected 4-D (B, H, S, D) q, k and v, got q={}, k={}, v={}", op,
+               q.shape(), k.shape(), v.shape());
+  TANDEM_CHECK(k.shape() == v.shape(), "[tensor::{}] expected k and v of one shape, got k={}, v={}",
+               op, k.shape(), v.shape());
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Sk = k.size(2);
+  TANDEM_CHECK(k.size(0) == B && k.size(3) == D,
+               "[tensor::{}] expected q and k with the same B and D, got q={}, k={}", op, q.shape(),
+               k.shape());
+  TANDEM_CHECK(Hkv > 0 && Hq % Hkv == 0,
+               "[tensor::{}] expected Hq divisible by Hkv, got Hq={}, Hkv={} (q={}, k={})", op, Hq,
+               Hkv, q.shape(), k.shape());
+  TANDEM_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(),
+               "[tensor::{}] expected q, k and v of one dtype, got {}, {} and {}", op,
+               dtype_name(q.dtype()), dtype_name(k.dtype()), dtype_name(v.dtype()));
+  TANDEM_CHECK(is_floating(q.dtype()), "[tensor::{}] expected floating q, k and v, got {}", op,
+               dtype_name(q.dtype()));
+  check_same_device(q, k, op, "q", "k");
+  check_same_device(q, v, op, "q", "v");
+  const Device dev = q.device();
+  const double scale =
+      options.scale.value_or(D > 0 ? 1.0 / std::sqrt(static_cast<double>(D)) : 1.0);
+
+  AttentionResult r;
+  if (Sq == 0 || Sk == 0) {  // nothing to attend to: zero output, lse = -inf
+    r.out = zeros({B, Hq, Sq, D}, q.dtype(), dev);
+    r.lse = full({B, Hq, Sq}, kNegInf, DType::F32, dev);
+    return r;
+  }
+  // Softmax and both products run in f32 for 16-bit inputs (f64 for f64), with
+  // one rounding of the output at the end.
+  const DType ct = q.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  // Grouped-query heads: query head h = g_kv * G + g uses kv head g_kv. Folding
+  // the G query heads of a group into the rows of one product,
+  // (B, Hkv, G * Sq, D) @ (B, Hkv, D, Sk), shares each kv head without copying it.
+  const int64_t G = Hq / Hkv;
+  const Tensor qg = reshape(cast_if_needed(q, ct), {B, Hkv, G * Sq, D});
+  const Tensor kc = cast_if_needed(k, ct);
+  const Tensor vc = cast_if_needed(v, ct);
+  Tensor scores = reshape(mul(matmul(qg, transpose(kc, -2, -1)), scale), {B, Hq, Sq, Sk});
+  if (options.causal) {
+    // Global positions: query i sits at q_offset + i, key j at k_offset + j.
+    const double q0 = static_cast<double>(options.q_offset);
+    const double k0 = static_cast<double>(options.k_offset);
+    const Tensor qpos =
+        unsqueeze(arange(q0, q0 + static_cast<double>(Sq), 1.0, DType::I64, dev), 1);
+    const Tensor kpos =
+        unsqueeze(arange(k0, k0 + static_cast<double>(Sk), 1.0, DType::I64, dev), 0);
+    scores = where(le(kpos, qpos), scores, kNegInf);  // (Sq, Sk) broadcast over (B, Hq)
+  }
+  // Softmax by hand to get the log-sum-exp too. A row with no visible key has
+  // max -inf: shift it by 0 instead, so its exps are 0, its sum 0 and its lse
+  // log(0) = -inf; its probabilities divide by 1 and stay 0.
+  const Tensor row_max = amax(scores, {-1}, true);
+  const Tensor shift = where(ne(row_max, kNegInf), row_max, 0.0);
+  const Tensor e = exp(sub(scores, shift));
+  const Tensor denom = sum(e, {-1}, true);
+  const Tensor probs = div(e, where(gt(denom, 0.0), denom, 1.0));
+  r.lse = cast_if_needed(squeeze(add(log(denom), shift), -1), DType::F32);
+  const Tensor out = matmul(reshape(probs, {B, Hkv, G * Sq, Sk}), vc);
+  r.out = cast_if_needed(reshape(out, {B, Hq, Sq, D}), q.dtype());
+  return r;
+}
+
+}  // namespace tandem::ops

@@ -68,6 +68,16 @@ std::vector<T> Tensor::to_vector() const {
   return out;
 }
 
+// std::vector<bool> is bit-packed: specialise through uint8_t.
+template <>
+std::vector<bool> Tensor::to_vector<bool>() const {
+  TANDEM_CHECK(dtype_ == DType::Bool, "[tensor::to_vector] expected dtype bool, got {}",
+               dtype_name(dtype_));
+  Tensor c = host_contiguous(*this);
+  const auto* p = static_cast<const uint8_t*>(c.raw_data());
+  return std::vector<bool>(p, p + numel());
+}
+
 template <class T>
 T Tensor::item() const {
   TANDEM_CHECK(numel() == 1, "[tensor::item] expected exactly one element, got shape {}", shape_);
@@ -84,16 +94,6 @@ double Tensor::item_double() const {
       return static_cast<double>(static_cast<acc_t<T>>(to_vector<T>()[0]));
     }
   });
-}
-
-// std::vector<bool> is bit-packed: specialise through uint8_t.
-template <>
-std::vector<bool> Tensor::to_vector<bool>() const {
-  TANDEM_CHECK(dtype_ == DType::Bool, "[tensor::to_vector] expected dtype bool, got {}",
-               dtype_name(dtype_));
-  Tensor c = host_contiguous(*this);
-  const auto* p = static_cast<const uint8_t*>(c.raw_data());
-  return std::vector<bool>(p, p + numel());
 }
 
 template std::vector<float> Tensor::to_vector<float>() const;

@@ -99,6 +99,9 @@ class Tensor {
   std::shared_ptr<AutogradMetaBase> autograd_;
 };
 
+template <>
+std::vector<bool> Tensor::to_vector<bool>() const;
+
 // Allocates an uninitialised contiguous tensor on `device`, on the current stream.
 Tensor empty(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
 

@@ -1,0 +1,199 @@
+// CPU elementwise kernels: unary, binary (broadcast by stride 0), scalar and
+// where. 16-bit types compute in float and round on store (dtype.h acc_t).
+// The op is chosen outside the loop (one instantiation per op) so the inner
+// loop is a plain strided loop the compiler vectorises.
+#include <cmath>
+#include <type_traits>
+
+#include "tensor/cpu/loops.h"
+#include "tensor/kernels.h"
+
+namespace tandem::cpu {
+namespace {
+
+template <class A>
+inline A gelu_tanh(A x) {
+  const A k = static_cast<A>(0.7978845608028654);  // sqrt(2/pi)
+  return static_cast<A>(0.5) * x * (static_cast<A>(1) + std::tanh(k * (x + static_cast<A>(0.044715) * x * x * x)));
+}
+
+// Calls fn(functor) with the functor of `op` for arithmetic type A.
+template <class A, class Fn>
+void with_unary(UnaryOp op, Fn&& fn) {
+  switch (op) {
+    case UnaryOp::Neg: return fn([](A x) { return static_cast<A>(-x); });
+    case UnaryOp::Abs: return fn([](A x) { return x < A(0) ? static_cast<A>(-x) : x; });
+    case UnaryOp::Relu: return fn([](A x) { return x > A(0) ? x : A(0); });
+    default: break;
+  }
+  if constexpr (std::is_floating_point_v<A>) {
+    switch (op) {
+      case UnaryOp::Exp: return fn([](A x) { return std::exp(x); });
+      case UnaryOp::Log: return fn([](A x) { return std::log(x); });
+      case UnaryOp::Sqrt: return fn([](A x) { return std::sqrt(x); });
+      case UnaryOp::Rsqrt: return fn([](A x) { return A(1) / std::sqrt(x); });
+      case UnaryOp::Tanh: return fn([](A x) { return std::tanh(x); });
+      case UnaryOp::Sigmoid: return fn([](A x) { return A(1) / (A(1) + std::exp(-x)); });
+      case UnaryOp::Gelu: return fn([](A x) { return gelu_tanh(x); });
+      case UnaryOp::Silu: return fn([](A x) { return x / (A(1) + std::exp(-x)); });
+      default: break;
+    }
+  }
+  TANDEM_FAIL("[cpu::unary] op {} is not defined for this dtype", static_cast<int>(op));
+}
+
+template <class A>
+inline A int_pow(A base, A exp) {
+  if (exp < 0) return base == 1 ? 1 : (base == -1 ? (exp % 2 ? -1 : 1) : 0);
+  A r = 1;
+  while (exp) {
+    if (exp & 1) r *= base;
+    base *= base;
+    exp >>= 1;
+  }
+  return r;
+}
+
+template <class A, class Fn>
+void with_binary(BinaryOp op, Fn&& fn) {
+  switch (op) {
+    case BinaryOp::Add: return fn([](A x, A y) { return static_cast<A>(x + y); });
+    case BinaryOp::Sub: return fn([](A x, A y) { return static_cast<A>(x - y); });
+    case BinaryOp::Mul: return fn([](A x, A y) { return static_cast<A>(x * y); });
+    case BinaryOp::Div:
+      if constexpr (std::is_integral_v<A>) {
+        // Integer division by zero is undefined behaviour in C++: define it as 0.
+        return fn([](A x, A y) { return y == 0 ? A(0) : static_cast<A>(x / y); });
+      } else {
+        return fn([](A x, A y) { return x / y; });
+      }
+    case BinaryOp::Pow:
+      if constexpr (std::is_integral_v<A>) {
+        return fn([](A x, A y) { return int_pow(x, y); });
+      } else {
+        return fn([](A x, A y) { return std::pow(x, y); });
+      }
+    case BinaryOp::Maximum: return fn([](A x, A y) { return x != x ? x : (x > y ? x : y); });
+    case BinaryOp::Minimum: return fn([](A x, A y) { return x != x ? x : (x < y ? x : y); });
+    case BinaryOp::Eq: return fn([](A x, A y) { return x == y; });
+    case BinaryOp::Ne: return fn([](A x, A y) { return x != y; });
+    case BinaryOp::Lt: return fn([](A x, A y) { return x < y; });
+    case BinaryOp::Le: return fn([](A x, A y) { return x <= y; });
+    case BinaryOp::Gt: return fn([](A x, A y) { return x > y; });
+    case BinaryOp::Ge: return fn([](A x, A y) { return x >= y; });
+  }
+}
+
+// bool arithmetic is done in int32 then stored as bool.
+template <class T>
+using compute_t = std::conditional_t<std::is_same_v<T, bool>, int32_t, acc_t<T>>;
+
+template <class T, class R, class F>
+void binary_loop(const TensorArg& a, const TensorArg& b, const TensorArg& out, F f) {
+  const T* pa = static_cast<const T*>(a.data);
+  const T* pb = static_cast<const T*>(b.data);
+  R* po = static_cast<R*>(out.data);
+  using A = compute_t<T>;
+  if (a.contiguous && b.contiguous) {
+    for (int64_t i = 0; i < out.numel; ++i) po[i] = static_cast<R>(f(A(pa[i]), A(pb[i])));
+    return;
+  }
+  for_each_row<3>(out, {&a, &b, &out}, [&](auto off, auto st, int64_t n) {
+    const T* x = pa + off[0];
+    const T* y = pb + off[1];
+    R* o = po + off[2];
+    if (st[0] == 1 && st[1] == 0) {  // common broadcast: row op scalar-per-row
+      A yv = A(*y);
+      for (int64_t i = 0; i < n; ++i) o[i * st[2]] = static_cast<R>(f(A(x[i]), yv));
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        o[i * st[2]] = static_cast<R>(f(A(x[i * st[0]]), A(y[i * st[1]])));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void unary(UnaryOp op, const TensorArg& in, const TensorArg& out) {
+  dispatch_dtype(in.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = compute_t<T>;
+    const T* pi = static_cast<const T*>(in.data);
+    T* po = static_cast<T*>(out.data);
+    with_unary<A>(op, [&](auto f) {
+      if (in.contiguous) {
+        for (int64_t i = 0; i < out.numel; ++i) po[i] = static_cast<T>(f(A(pi[i])));
+        return;
+      }
+      for_each_row<2>(out, {&in, &out}, [&](auto off, auto st, int64_t n) {
+        for (int64_t i = 0; i < n; ++i) {
+          po[off[1] + i * st[1]] = static_cast<T>(f(A(pi[off[0] + i * st[0]])));
+        }
+      });
+    });
+  });
+}
+
+void binary(BinaryOp op, const TensorArg& a, const TensorArg& b, const TensorArg& out) {
+  dispatch_dtype(a.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    with_binary<compute_t<T>>(op, [&](auto f) {
+      if (is_comparison(op)) {
+        binary_loop<T, bool>(a, b, out, f);
+      } else {
+        binary_loop<T, T>(a, b, out, f);
+      }
+    });
+  });
+}
+
+void binary_scalar(BinaryOp op, const TensorArg& a, double s, bool scalar_first,
+                   const TensorArg& out) {
+  dispatch_dtype(a.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = compute_t<T>;
+    const A sv = static_cast<A>(s);
+    with_binary<A>(op, [&](auto f) {
+      auto run = [&](auto g, auto result_tag) {
+        using R = typename decltype(result_tag)::type;
+        const T* pa = static_cast<const T*>(a.data);
+        R* po = static_cast<R*>(out.data);
+        if (a.contiguous) {
+          for (int64_t i = 0; i < out.numel; ++i) po[i] = static_cast<R>(g(A(pa[i])));
+          return;
+        }
+        for_each_row<2>(out, {&a, &out}, [&](auto off, auto st, int64_t n) {
+          for (int64_t i = 0; i < n; ++i) {
+            po[off[1] + i * st[1]] = static_cast<R>(g(A(pa[off[0] + i * st[0]])));
+          }
+        });
+      };
+      auto left = [&](A x) { return f(sv, x); };
+      auto right = [&](A x) { return f(x, sv); };
+      if (is_comparison(op)) {
+        scalar_first ? run(left, TypeTag<bool>{}) : run(right, TypeTag<bool>{});
+      } else {
+        scalar_first ? run(left, TypeTag<T>{}) : run(right, TypeTag<T>{});
+      }
+    });
+  });
+}
+
+void where(const TensorArg& cond, const TensorArg& a, const TensorArg& b, const TensorArg& out) {
+  dispatch_dtype(out.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const bool* pc = static_cast<const bool*>(cond.data);
+    const T* pa = static_cast<const T*>(a.data);
+    const T* pb = static_cast<const T*>(b.data);
+    T* po = static_cast<T*>(out.data);
+    for_each_row<4>(out, {&cond, &a, &b, &out}, [&](auto off, auto st, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        po[off[3] + i * st[3]] =
+            pc[off[0] + i * st[0]] ? pa[off[1] + i * st[1]] : pb[off[2] + i * st[2]];
+      }
+    });
+  });
+}
+
+}  // namespace tandem::cpu

@@ -1,0 +1,242 @@
+// CUDA elementwise kernels: unary, binary, binary_scalar and where
+// (tensor/kernels.h). One grid-stride kernel per family and dtype; the op is a
+// run-time switch inside the kernel, uniform across the grid, which keeps the
+// number of instantiations (and nvcc time) small at no measurable cost for
+// these memory-bound loops. Inputs may be strided or broadcast (stride 0);
+// outputs are contiguous. The CPU backend (tensor/cpu/elementwise.cpp) is the
+// reference: same compute types, same formulas.
+#include "tensor/cuda/cuda_common.cuh"
+
+namespace tandem::cuda {
+namespace {
+
+using detail::cast_to;
+using detail::compute_t;
+using detail::load_as;
+
+template <class V>
+__device__ V unary_apply(UnaryOp op, V x) {
+  if constexpr (std::is_floating_point_v<V>) {
+    switch (op) {
+      case UnaryOp::Neg: return -x;
+      case UnaryOp::Exp: return detail::d_exp(x);
+      case UnaryOp::Log: return detail::d_log(x);
+      case UnaryOp::Sqrt: return detail::d_sqrt(x);
+      case UnaryOp::Rsqrt: return V(1) / detail::d_sqrt(x);
+      case UnaryOp::Abs: return x < V(0) ? -x : x;
+      case UnaryOp::Tanh: return detail::d_tanh(x);
+      case UnaryOp::Sigmoid: return V(1) / (V(1) + detail::d_exp(-x));
+      case UnaryOp::Relu: return x > V(0) ? x : V(0);
+      case UnaryOp::Gelu: {
+        const V k = V(0.7978845608028654);  // sqrt(2 / pi)
+        return V(0.5) * x * (V(1) + detail::d_tanh(k * (x + V(0.044715) * x * x * x)));
+      }
+      case UnaryOp::Silu: return x * (V(1) / (V(1) + detail::d_exp(-x)));
+    }
+    return x;
+  } else {
+    // Integers: sign ops are exact; the transcendental ones go through double.
+    switch (op) {
+      case UnaryOp::Neg: return -x;
+      case UnaryOp::Abs: return x < V(0) ? -x : x;
+      case UnaryOp::Relu: return x > V(0) ? x : V(0);
+      default: return static_cast<V>(unary_apply(op, static_cast<double>(x)));
+    }
+  }
+}
+
+// a^b for integers by squaring; negative exponents truncate toward zero.
+template <class V>
+__device__ V int_pow(V a, V b) {
+  if (b < 0) return a == 1 ? V(1) : (a == -1 ? ((b & 1) ? V(-1) : V(1)) : V(0));
+  V result = 1;
+  while (b > 0) {
+    if (b & 1) result *= a;
+    a *= a;
+    b >>= 1;
+  }
+  return result;
+}
+
+template <class V>
+__device__ V arith_apply(BinaryOp op, V a, V b) {
+  switch (op) {
+    case BinaryOp::Add: return a + b;
+    case BinaryOp::Sub: return a - b;
+    case BinaryOp::Mul: return a * b;
+    case BinaryOp::Div: return a / b;
+    case BinaryOp::Pow:
+      if constexpr (std::is_floating_point_v<V>) {
+        return detail::d_pow(a, b);
+      } else {
+        return int_pow(a, b);
+      }
+    // NaN propagates through maximum/minimum, as in PyTorch.
+    case BinaryOp::Maximum:
+      if (detail::is_nan(a) || detail::is_nan(b)) return a + b;
+      return a < b ? b : a;
+    case BinaryOp::Minimum:
+      if (detail::is_nan(a) || detail::is_nan(b)) return a + b;
+      return b < a ? b : a;
+    default: return V(0);  // comparisons are handled by compare_apply
+  }
+}
+
+template <class V>
+__device__ bool compare_apply(BinaryOp op, V a, V b) {
+  switch (op) {
+    case BinaryOp::Eq: return a == b;
+    case BinaryOp::Ne: return a != b;
+    case BinaryOp::Lt: return a < b;
+    case BinaryOp::Le: return a <= b;
+    case BinaryOp::Gt: return a > b;
+    case BinaryOp::Ge: return a >= b;
+    default: return false;
+  }
+}
+
+// O is T for arithmetic ops and bool for comparisons.
+template <class T, class O, class V>
+__device__ __forceinline__ O binary_value(BinaryOp op, V a, V b) {
+  if (is_comparison(op)) return cast_to<O>(compare_apply(op, a, b) ? 1 : 0);
+  return cast_to<O>(arith_apply(op, a, b));
+}
+
+template <class T>
+__global__ void unary_kernel(UnaryOp op, const T* in, T* out, int64_t n, bool contiguous,
+                             detail::OffsetCalc<1> calc) {
+  for (int64_t i = detail::grid_start(); i < n; i += detail::grid_step()) {
+    int64_t off[1] = {i};
+    if (!contiguous) calc.get(i, off);
+    out[i] = cast_to<T>(unary_apply(op, load_as<compute_t<T>>(in[off[0]])));
+  }
+}
+
+template <class T, class O>
+__global__ void binary_kernel(BinaryOp op, const T* a, const T* b, O* out, int64_t n,
+                              bool contiguous, detail::OffsetCalc<2> calc) {
+  using V = compute_t<T>;
+  for (int64_t i = detail::grid_start(); i < n; i += detail::grid_step()) {
+    int64_t off[2] = {i, i};
+    if (!contiguous) calc.get(i, off);
+    out[i] = binary_value<T, O>(op, load_as<V>(a[off[0]]), load_as<V>(b[off[1]]));
+  }
+}
+
+template <class T, class O>
+__global__ void binary_scalar_kernel(BinaryOp op, const T* a, double s, bool scalar_first,
+                                     O* out, int64_t n, bool contiguous,
+                                     detail::OffsetCalc<1> calc) {
+  using V = compute_t<T>;
+  // Integer tensors compare against the exact scalar (lt(x, 2.5) on ints),
+  // while arithmetic stays in the tensor's type.
+  const bool compare_in_double = is_comparison(op) && !std::is_floating_point_v<V>;
+  const V sv = static_cast<V>(s);
+  for (int64_t i = detail::grid_start(); i < n; i += detail::grid_step()) {
+    int64_t off[1] = {i};
+    if (!contiguous) calc.get(i, off);
+    V x = load_as<V>(a[off[0]]);
+    if (compare_in_double) {
+      double xd = static_cast<double>(x);
+      out[i] = binary_value<T, O>(op, scalar_first ? s : xd, scalar_first ? xd : s);
+    } else {
+      out[i] = binary_value<T, O>(op, scalar_first ? sv : x, scalar_first ? x : sv);
+    }
+  }
+}
+
+template <class U>
+__global__ void where_kernel(const bool* cond, const U* a, const U* b, U* out, int64_t n,
+                             bool contiguous, detail::OffsetCalc<3> calc) {
+  for (int64_t i = detail::grid_start(); i < n; i += detail::grid_step()) {
+    int64_t off[3] = {i, i, i};
+    if (!contiguous) calc.get(i, off);
+    out[i] = cond[off[0]] ? a[off[1]] : b[off[2]];
+  }
+}
+
+}  // namespace
+
+void unary(UnaryOp op, const TensorArg& in, const TensorArg& out, void* stream) {
+  if (out.numel == 0) return;
+  detail::DeviceGuard guard(stream);
+  const TensorArg* args[1] = {&in};
+  auto calc = detail::make_offset_calc(args);
+  dispatch_dtype(in.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    unary_kernel<T><<<detail::blocks_for(out.numel), detail::kThreads, 0,
+                      detail::native(stream)>>>(op, static_cast<const T*>(in.data),
+                                                static_cast<T*>(out.data), out.numel,
+                                                in.contiguous, calc);
+  });
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+}
+
+void binary(BinaryOp op, const TensorArg& a, const TensorArg& b, const TensorArg& out,
+            void* stream) {
+  if (out.numel == 0) return;
+  detail::DeviceGuard guard(stream);
+  const TensorArg* args[2] = {&a, &b};
+  auto calc = detail::make_offset_calc(args);
+  bool contiguous = a.contiguous && b.contiguous;
+  dispatch_dtype(a.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    auto launch = [&](auto* out_ptr) {
+      using O = std::remove_pointer_t<decltype(out_ptr)>;
+      binary_kernel<T, O><<<detail::blocks_for(out.numel), detail::kThreads, 0,
+                            detail::native(stream)>>>(
+          op, static_cast<const T*>(a.data), static_cast<const T*>(b.data), out_ptr, out.numel,
+          contiguous, calc);
+    };
+    if (is_comparison(op)) {
+      launch(static_cast<bool*>(out.data));
+    } else {
+      launch(static_cast<T*>(out.data));
+    }
+  });
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+}
+
+void binary_scalar(BinaryOp op, const TensorArg& a, double s, bool scalar_first,
+                   const TensorArg& out, void* stream) {
+  if (out.numel == 0) return;
+  detail::DeviceGuard guard(stream);
+  const TensorArg* args[1] = {&a};
+  auto calc = detail::make_offset_calc(args);
+  dispatch_dtype(a.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    auto launch = [&](auto* out_ptr) {
+      using O = std::remove_pointer_t<decltype(out_ptr)>;
+      binary_scalar_kernel<T, O><<<detail::blocks_for(out.numel), detail::kThreads, 0,
+                                   detail::native(stream)>>>(
+          op, static_cast<const T*>(a.data), s, scalar_first, out_ptr, out.numel, a.contiguous,
+          calc);
+    };
+    if (is_comparison(op)) {
+      launch(static_cast<bool*>(out.data));
+    } else {
+      launch(static_cast<T*>(out.data));
+    }
+  });
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+}
+
+void where(const TensorArg& cond, const TensorArg& a, const TensorArg& b, const TensorArg& out,
+           void* stream) {
+  if (out.numel == 0) return;
+  detail::DeviceGuard guard(stream);
+  const TensorArg* args[3] = {&cond, &a, &b};
+  auto calc = detail::make_offset_calc(args);
+  bool contiguous = cond.contiguous && a.contiguous && b.contiguous;
+  // where only moves elements: one instantiation per element width.
+  detail::dispatch_width(out.dtype, [&](auto tag) {
+    using U = typename decltype(tag)::type;
+    where_kernel<U><<<detail::blocks_for(out.numel), detail::kThreads, 0,
+                      detail::native(stream)>>>(
+        static_cast<const bool*>(cond.data), static_cast<const U*>(a.data),
+        static_cast<const U*>(b.data), static_cast<U*>(out.data), out.numel, contiguous, calc);
+  });
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace tandem::cuda

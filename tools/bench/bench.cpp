@@ -1,0 +1,232 @@
+// The interleaved timer (Note [Benchmark timing]) and the table/JSON report of
+// tandem-bench.
+#include "tools/bench/bench.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <thread>
+
+namespace tandem::bench {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double time_trial(const Kernel& kernel, int reps) {
+  auto start = std::chrono::steady_clock::now();
+  kernel(reps);
+  return seconds_since(start);
+}
+
+// Warms the kernel up, then finds the calls per trial that make one trial
+// last at least `min_trial_s`. The first call pays for page faults, lazy
+// initialisation and the allocator filling its cache, so it is not timed.
+int calibrate(const Kernel& kernel, double min_trial_s) {
+  kernel(1);
+  int reps = 1;
+  constexpr int kMaxReps = 1 << 22;
+  for (;;) {
+    double t = time_trial(kernel, reps);
+    if (t >= min_trial_s || reps >= kMaxReps) return reps;
+    // Aim 20% past the goal so the next try usually lands; at least double.
+    double wanted = std::ceil(reps * 1.2 * min_trial_s / std::max(t, 1e-9));
+    reps = static_cast<int>(std::min<double>(kMaxReps, std::max<double>(2.0 * reps, wanted)));
+  }
+}
+
+Timing summarize(std::vector<double> per_call) {
+  Timing t;
+  t.trials = static_cast<int>(per_call.size());
+  std::sort(per_call.begin(), per_call.end());
+  size_t n = per_call.size();
+  t.median_s = n % 2 == 1 ? per_call[n / 2] : 0.5 * (per_call[n / 2 - 1] + per_call[n / 2]);
+  t.min_s = per_call.front();
+  return t;
+}
+
+// Shows a time as a rate when the row knows its flops (GFLOP/s on CPU,
+// TFLOP/s on a GPU), else in milliseconds.
+std::string format_speed(const Row& row, double seconds) {
+  if (row.flops > 0) {
+    bool gpu = row.device != "cpu";
+    double scale = gpu ? 1e12 : 1e9;
+    return fmt::format("{:.1f} {}", row.flops / seconds / scale, gpu ? "TFLOP/s" : "GFLOP/s");
+  }
+  return fmt::format("{:.3f} ms", seconds * 1e3);
+}
+
+constexpr const char* kTableFormat = "{:<12} {:<20} {:<7} {:>4}  {:>15} {:>15}  {:>6} {:>7}  {}\n";
+
+nlohmann::json row_json(const Row& row) {
+  nlohmann::json j = {
+      {"group", row.group},     {"name", row.name},         {"device", row.device},
+      {"threads", row.threads}, {"baseline", row.baseline}, {"target", row.target},
+  };
+  if (!row.error.empty()) {
+    j["status"] = "error";
+    j["error"] = row.error;
+    return j;
+  }
+  const Timing& t = row.timing.tandem;
+  const Timing& b = row.timing.baseline;
+  j["status"] = row.passed() ? "pass" : "fail";
+  j["ratio"] = row.ratio();
+  j["tandem_ms"] = t.median_s * 1e3;
+  j["baseline_ms"] = b.median_s * 1e3;
+  j["tandem_min_ms"] = t.min_s * 1e3;
+  j["baseline_min_ms"] = b.min_s * 1e3;
+  j["tandem_reps"] = t.reps;
+  j["baseline_reps"] = b.reps;
+  j["trials"] = t.trials;
+  if (row.flops > 0) {
+    bool gpu = row.device != "cpu";
+    double scale = gpu ? 1e12 : 1e9;
+    const char* unit = gpu ? "tflops" : "gflops";
+    j[fmt::format("tandem_{}", unit)] = row.flops / t.median_s / scale;
+    j[fmt::format("baseline_{}", unit)] = row.flops / b.median_s / scale;
+  }
+  return j;
+}
+
+}  // namespace
+
+TimingConfig timing_config(const Options& options) {
+  TimingConfig config;
+  if (options.quick) {
+    config.trials = 5;
+    config.min_trial_s = 0.02;
+  }
+  return config;
+}
+
+PairTiming time_interleaved(const Kernel& tandem, const Kernel& baseline,
+                            const TimingConfig& config) {
+  int tandem_reps = calibrate(tandem, config.min_trial_s);
+  int baseline_reps = calibrate(baseline, config.min_trial_s);
+  std::vector<double> t, b;
+  for (int i = 0; i < config.trials; ++i) {
+    auto run_tandem = [&] { t.push_back(time_trial(tandem, tandem_reps) / tandem_reps); };
+    auto run_baseline = [&] { b.push_back(time_trial(baseline, baseline_reps) / baseline_reps); };
+    if (i % 2 == 0) {
+      run_tandem();
+      run_baseline();
+    } else {
+      run_baseline();
+      run_tandem();
+    }
+  }
+  PairTiming result{summarize(t), summarize(b)};
+  result.tandem.reps = tandem_reps;
+  result.baseline.reps = baseline_reps;
+  return result;
+}
+
+std::string compare(const std::vector<float>& got, const std::vector<float>& want, double rtol,
+                    double atol) {
+  if (got.size() != want.size()) {
+    return fmt::format("expected {} elements, got {}", want.size(), got.size());
+  }
+  size_t worst = 0;
+  double worst_excess = 0;  // error / allowed error
+  for (size_t i = 0; i < got.size(); ++i) {
+    double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+    double allowed = atol + rtol * std::fabs(static_cast<double>(want[i]));
+    double excess = std::isnan(err) ? INFINITY : err / allowed;
+    if (excess > worst_excess) {
+      worst_excess = excess;
+      worst = i;
+    }
+  }
+  if (worst_excess <= 1.0) return {};
+  return fmt::format(
+      "tandem disagrees with the baseline: expected {} at element {}, got {} (rtol={}, atol={})",
+      want[worst], worst, got[worst], rtol, atol);
+}
+
+double Row::ratio() const {
+  if (!error.empty() || timing.tandem.median_s <= 0) return 0;
+  return timing.baseline.median_s / timing.tandem.median_s;
+}
+
+Report::Report(std::string benchmark, const Options& options, const TimingConfig& config)
+    : benchmark_(std::move(benchmark)), options_(options) {
+  json_ = {
+      {"benchmark", benchmark_},
+      {"quick", options.quick},
+      {"hardware_threads", std::thread::hardware_concurrency()},
+      {"timing",
+       {{"statistic", "median"},
+        {"trials", config.trials},
+        {"min_trial_ms", config.min_trial_s * 1e3},
+        {"order", "interleaved, alternating which side goes first"}}},
+      {"ratio", "baseline time / tandem time (> 1: tandem faster)"},
+      {"rows", nlohmann::json::array()},
+  };
+  note(fmt::format("tandem-bench {}{}: ratio = baseline time / tandem time (> 1: tandem faster)",
+                   benchmark_, options.quick ? " --quick" : ""));
+  note(fmt::format("timing: median of {} interleaved trials per side, each >= {:.0f} ms",
+                   config.trials, config.min_trial_s * 1e3));
+}
+
+void Report::note(const std::string& line) {
+  if (!options_.json) fmt::print("{}\n", line);
+}
+
+void Report::add(Row row) {
+  if (!options_.json) {
+    if (!header_printed_) {
+      fmt::print("\n");
+      fmt::print(kTableFormat, "group", "case", "device", "thr", "tandem", "baseline", "ratio",
+                 "target", "result");
+      header_printed_ = true;
+    }
+    std::string threads = row.threads > 0 ? std::to_string(row.threads) : "-";
+    std::string target = fmt::format(">={:.2f}", row.target);
+    if (row.error.empty()) {
+      fmt::print(kTableFormat, row.group, row.name, row.device, threads,
+                 format_speed(row, row.timing.tandem.median_s),
+                 format_speed(row, row.timing.baseline.median_s),
+                 fmt::format("{:.2f}", row.ratio()), target, row.passed() ? "PASS" : "FAIL");
+    } else {
+      fmt::print(kTableFormat, row.group, row.name, row.device, threads, "-", "-", "-", target,
+                 "ERROR: " + row.error);
+    }
+    std::fflush(stdout);
+  }
+  json_["rows"].push_back(row_json(row));
+  rows_.push_back(std::move(row));
+}
+
+void Report::set(const std::string& key, nlohmann::json value, const std::string& text) {
+  json_[key] = std::move(value);
+  note(text);
+}
+
+int Report::finish() {
+  int passed = 0, failed = 0, errors = 0;
+  for (const Row& row : rows_) {
+    if (!row.error.empty()) {
+      ++errors;
+    } else if (row.passed()) {
+      ++passed;
+    } else {
+      ++failed;
+    }
+  }
+  json_["summary"] = {
+      {"rows", rows_.size()}, {"passed", passed}, {"failed", failed}, {"errors", errors}};
+  if (options_.json) {
+    fmt::print("{}\n", json_.dump(2));
+  } else {
+    fmt::print("\n{} rows: {} passed, {} below target, {} errors\n", rows_.size(), passed, failed,
+               errors);
+  }
+  return errors == 0 ? 0 : 1;
+}
+
+}  // namespace tandem::bench

@@ -1,0 +1,105 @@
+// Shared pieces of tandem-bench (DESIGN §9): the interleaved timer, the row
+// type every sub-benchmark reports, and the report that prints them as a table
+// or as one JSON object.
+//
+// Note [Benchmark timing]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// The machines here are small and shared, so absolute times drift by tens of
+// percent from one second to the next. Every figure is therefore a ratio
+// against a baseline measured in the same run, and the two sides are measured
+// the same way, alternately: after a warm-up, each side gets a repetition count
+// that makes one trial last at least `min_trial_s`; then trials run
+// tandem, baseline, baseline, tandem, tandem, … (the side that goes first
+// alternates, so neither always inherits the caches or clock state the other
+// left) and each side's per-call time is the median of its trials. A burst of
+// noise lands in one trial of one side and the median drops it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace tandem::bench {
+
+struct Options {
+  bool json = false;   // one JSON object on stdout instead of the table
+  bool quick = false;  // fewer and shorter trials (a smoke run)
+};
+
+struct TimingConfig {
+  int trials = 11;            // per side
+  double min_trial_s = 0.04;  // one trial lasts at least this long
+};
+TimingConfig timing_config(const Options& options);
+
+// Runs the measured operation `reps` times and returns once all of it has
+// finished (a side that enqueues work synchronises its stream before returning).
+using Kernel = std::function<void(int reps)>;
+
+struct Timing {
+  double median_s = 0;  // per call
+  double min_s = 0;     // per call
+  int reps = 0;         // calls per trial
+  int trials = 0;
+};
+struct PairTiming {
+  Timing tandem;
+  Timing baseline;
+};
+// Note [Benchmark timing].
+PairTiming time_interleaved(const Kernel& tandem, const Kernel& baseline,
+                            const TimingConfig& config);
+
+// Compares `got` (tandem) with `want` (baseline) elementwise:
+// |got - want| <= atol + rtol * |want|. Returns an empty string when they
+// agree, else a message naming the worst element.
+std::string compare(const std::vector<float>& got, const std::vector<float>& want, double rtol,
+                    double atol);
+
+struct Row {
+  std::string group;     // "matmul", "elementwise", "gpu-matmul"
+  std::string name;      // "f32 1024x1024x1024", "gelu 16M"
+  std::string device;    // "cpu", "cuda:0"
+  int threads = 1;       // CPU threads of both sides; 0 on a GPU
+  std::string baseline;  // what the baseline is ("cblas_sgemm", "loop", …)
+  double flops = 0;      // per call; when > 0 the table shows rates, not times
+  double target = 0;     // the row passes when ratio() >= target
+  PairTiming timing;
+  std::string error;  // set when the row could not be measured
+
+  // baseline time / tandem time: > 1 means tandem is faster.
+  double ratio() const;
+  bool passed() const { return error.empty() && ratio() >= target; }
+};
+
+// Collects rows; in table mode prints each as it arrives, so a long run shows
+// progress. finish() prints the summary (or the JSON object).
+class Report {
+ public:
+  Report(std::string benchmark, const Options& options, const TimingConfig& config);
+
+  // A line of text above the table rows (table mode only).
+  void note(const std::string& line);
+  void add(Row row);
+  // A top-level JSON field (e.g. "memory"); `text` is what the table shows.
+  void set(const std::string& key, nlohmann::json value, const std::string& text);
+
+  // Exit status: 0 when every row ran (missed targets included), 1 when a row
+  // failed with an error.
+  int finish();
+
+ private:
+  std::string benchmark_;
+  Options options_;
+  nlohmann::json json_;
+  std::vector<Row> rows_;
+  bool header_printed_ = false;
+};
+
+// Sub-benchmarks. Each returns the process exit status.
+int run_tensor(const Options& options);
+
+}  // namespace tandem::bench
