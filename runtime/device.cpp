@@ -42,4 +42,15 @@ bool built_with_cuda() { return cuda_api::compiled(); }
 
 Device default_device() { return cuda_available() ? Device::cuda(0) : Device::cpu(); }
 
+namespace {
+thread_local Device thread_device = Device::cpu();
+}
+
+Device current_device() { return thread_device; }
+
+void set_current_device(Device device) {
+  if (device.is_cuda()) cuda_api::set_device(device.index());
+  thread_device = device;
+}
+
 }  // namespace tandem

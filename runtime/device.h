@@ -47,6 +47,23 @@ bool built_with_cuda();
 // The best device of this machine: cuda:0 when a GPU is present, else cpu.
 Device default_device();
 
+// The calling thread's current device (cpu until set). Setting a CUDA device
+// also makes it the CUDA runtime's current device for this thread.
+Device current_device();
+void set_current_device(Device device);
+
+// RAII: sets the current device, restores the previous one on exit.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(Device device) : previous_(current_device()) { set_current_device(device); }
+  ~DeviceGuard() { set_current_device(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  Device previous_;
+};
+
 }  // namespace tandem
 
 template <>

@@ -14,7 +14,33 @@
 #include "tensor/random.h"
 #include "tensor/tensor.h"
 
-namespace tandem::ops {
+namespace tandem {
+
+// Result and option types live in namespace tandem (not ops) so that argument-
+// dependent lookup never sees both tandem::ops and the autograd overloads.
+struct NormResult {
+  Tensor out;
+  Tensor mean;  // (rows) f32; undefined for rms_norm
+  Tensor rstd;  // (rows) f32
+};
+
+struct AttentionOptions {
+  bool causal = false;
+  int64_t q_offset = 0;
+  int64_t k_offset = 0;
+  std::optional<double> scale;  // default 1/sqrt(D)
+};
+
+struct AttentionResult {
+  Tensor out;  // (B, Hq, Sq, D)
+  Tensor lse;  // (B, Hq, Sq) f32 log-sum-exp of the scaled scores (for ring merges)
+};
+
+namespace ops {
+
+using tandem::AttentionOptions;
+using tandem::AttentionResult;
+using tandem::NormResult;
 
 // ---- factories ----
 Tensor zeros(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
@@ -149,11 +175,6 @@ Tensor log_softmax(const Tensor& t, int64_t dim = -1);
 Tensor matmul(const Tensor& a, const Tensor& b);
 
 // ---- normalisation (over the last dim) ----
-struct NormResult {
-  Tensor out;
-  Tensor mean;  // (rows) f32; undefined for rms_norm
-  Tensor rstd;  // (rows) f32
-};
 // weight/bias: (D) or undefined.
 NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
 NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
@@ -179,16 +200,6 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
 // heads: query head h uses kv head h / (Hq / Hkv)). With `causal`, query at
 // global position q_offset + i attends to keys at global positions
 // k_offset + j <= q_offset + i (positions matter when the sequence is sharded).
-struct AttentionOptions {
-  bool causal = false;
-  int64_t q_offset = 0;
-  int64_t k_offset = 0;
-  std::optional<double> scale;  // default 1/sqrt(D)
-};
-struct AttentionResult {
-  Tensor out;  // (B, Hq, Sq, D)
-  Tensor lse;  // (B, Hq, Sq) f32 log-sum-exp of the scaled scores (for ring merges)
-};
 AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const AttentionOptions& options = {});
 
@@ -199,4 +210,5 @@ bool equal(const Tensor& a, const Tensor& b);  // same shape and identical value
 void set_num_threads(int n);
 int num_threads();
 
-}  // namespace tandem::ops
+}  // namespace ops
+}  // namespace tandem

@@ -4,9 +4,10 @@
 // The kernel-backed ops check shapes, dtypes and devices here, make their
 // operands contiguous, convert i32 indices to i64, view every operand as the
 // (outer, n, inner) layout tensor/kernels.h describes and dispatch. Index
-// values are checked by the kernels (they are data). cross_entropy and
-// scaled_dot_product_attention are compositions of other ops, so they run on
-// any device that has those ops.
+// values are checked by the kernels (they are data). Every dispatch passes the
+// tensors its kernel touches (Note [Kernel closures keep storage alive]).
+// cross_entropy and scaled_dot_product_attention are compositions of other
+// ops, so they run on any device that has those ops.
 #include <cmath>
 #include <limits>
 
@@ -51,10 +52,12 @@ struct Around {
 };
 Around around(const Shape& shape, int dim) {
   Around a;
-  for (int i = 0; i < dim; ++i)
+  for (int i = 0; i < dim; ++i) {
     a.outer *= shape[i];
-  for (int i = dim + 1; i < shape.size(); ++i)
+  }
+  for (int i = dim + 1; i < shape.size(); ++i) {
     a.inner *= shape[i];
+  }
   return a;
 }
 
@@ -237,10 +240,14 @@ Tensor scatter_add(const Tensor& t, int64_t dim, const Tensor& index, const Tens
   // <= t.shape off `dim`; only that leading part of src and of t takes part.
   Tensor src_part = src;
   for (int i = 0; i < t.dim(); ++i) {
-    TANDEM_CHECK(index.size(i) <= src.size(i) && (i == d || index.size(i) <= t.size(i)),
-                 "[tensor::scatter_add] expected index.shape[{}] <= src.shape[{}]{}, got index={}, "
-                 "src={}, t={} (dim={})",
-                 i, i, i == d ? "" : " and <= t.shape", index.shape(), src.shape(), t.shape(), d);
+    TANDEM_CHECK(index.size(i) <= src.size(i),
+                 "[tensor::scatter_add] expected index.shape[{}] <= src.shape[{}], got {} vs {} "
+                 "(index={}, src={})",
+                 i, i, index.size(i), src.size(i), index.shape(), src.shape());
+    TANDEM_CHECK(i == d || index.size(i) <= t.size(i),
+                 "[tensor::scatter_add] expected index.shape[{}] <= t.shape[{}] off dim {}, got {} "
+                 "vs {} (index={}, t={})",
+                 i, i, d, index.size(i), t.size(i), index.shape(), t.shape());
     if (index.size(i) < src.size(i)) src_part = narrow(src_part, i, 0, index.size(i));
   }
   const Tensor idx = index_i64(index, "scatter_add");

@@ -55,8 +55,9 @@ void gather(const TensorArg& in, int64_t outer, int64_t n, int64_t inner, const 
       const T* src_o = src + o * n * inner;
       for (int64_t j = 0; j < k; ++j) {
         const int64_t base = (o * k + j) * inner;
-        for (int64_t i = 0; i < inner; ++i)
+        for (int64_t i = 0; i < inner; ++i) {
           dst[base + i] = src_o[idx[base + i] * inner + i];
+        }
       }
     }
   });
@@ -95,8 +96,9 @@ void one_hot(const TensorArg& indices, int64_t n, int64_t classes, const TensorA
   if (n * classes == 0) return;
   auto* dst = static_cast<int64_t*>(out.data);
   std::memset(dst, 0, static_cast<size_t>(n * classes) * sizeof(int64_t));
-  for (int64_t i = 0; i < n; ++i)
+  for (int64_t i = 0; i < n; ++i) {
     dst[i * classes + idx[i]] = 1;
+  }
 }
 
 }  // namespace tandem::cpu

@@ -30,8 +30,9 @@ void layer_norm(const TensorArg& x, const TensorArg& weight, const TensorArg& bi
       const T* row = xp + r * d;
       T* orow = op + r * d;
       A sum = 0;
-      for (int64_t j = 0; j < d; ++j)
+      for (int64_t j = 0; j < d; ++j) {
         sum += static_cast<A>(row[j]);
+      }
       const A mu = sum * inv_d;
       A sq = 0;
       for (int64_t j = 0; j < d; ++j) {

@@ -55,8 +55,9 @@ void topk(const TensorArg& in, int64_t rows, int64_t n, int64_t k, bool largest,
     };
     for (int64_t r = 0; r < rows; ++r) {
       const T* row = src + r * n;
-      for (int64_t j = 0; j < n; ++j)
+      for (int64_t j = 0; j < n; ++j) {
         key[j] = static_cast<A>(row[j]);
+      }
       std::iota(order.begin(), order.end(), int64_t{0});
       std::partial_sort(order.begin(), order.begin() + k, order.end(), before);
       for (int64_t t = 0; t < k; ++t) {
@@ -80,8 +81,9 @@ void argsort(const TensorArg& in, int64_t rows, int64_t n, bool descending,
     };
     for (int64_t r = 0; r < rows; ++r) {
       const T* row = src + r * n;
-      for (int64_t j = 0; j < n; ++j)
+      for (int64_t j = 0; j < n; ++j) {
         key[j] = static_cast<A>(row[j]);
+      }
       int64_t* out = idx + r * n;
       std::iota(out, out + n, int64_t{0});
       std::stable_sort(out, out + n, before);

@@ -84,8 +84,9 @@ void copy(const TensorArg& in, const TensorArg& out, void* stream) {
   auto launch = [&](auto* in_ptr, auto* out_ptr) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(in_ptr)>>;
     using U = std::remove_pointer_t<decltype(out_ptr)>;
-    copy_kernel<T, U><<<detail::blocks_for(out.numel), detail::kThreads, 0,
-                        detail::native(stream)>>>(in_ptr, out_ptr, out.numel, contiguous, calc);
+    copy_kernel<T, U>
+        <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
+            in_ptr, out_ptr, out.numel, contiguous, calc);
   };
   if (in.dtype == out.dtype) {
     // A same-dtype copy only moves bits: one instantiation per element width.
@@ -119,9 +120,8 @@ void fill(const TensorArg& out, double value, void* stream) {
     } else {
       v = static_cast<T>(value);
     }
-    fill_kernel<T><<<detail::blocks_for(out.numel), detail::kThreads, 0,
-                     detail::native(stream)>>>(static_cast<T*>(out.data), v, out.numel,
-                                               out.contiguous, calc);
+    fill_kernel<T><<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
+        static_cast<T*>(out.data), v, out.numel, out.contiguous, calc);
   });
   TANDEM_CUDA_CHECK(cudaGetLastError());
 }
@@ -133,9 +133,9 @@ void arange(const TensorArg& out, double start, double step, void* stream) {
   auto calc = detail::make_offset_calc(args);
   dispatch_dtype(out.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    arange_kernel<T><<<detail::blocks_for(out.numel), detail::kThreads, 0,
-                       detail::native(stream)>>>(static_cast<T*>(out.data), start, step,
-                                                 out.numel, out.contiguous, calc);
+    arange_kernel<T>
+        <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
+            static_cast<T*>(out.data), start, step, out.numel, out.contiguous, calc);
   });
   TANDEM_CUDA_CHECK(cudaGetLastError());
 }
@@ -148,9 +148,9 @@ void random(const TensorArg& out, RandomKind kind, uint64_t seed, uint64_t offse
   auto calc = detail::make_offset_calc(args);
   dispatch_dtype(out.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    random_kernel<T><<<detail::blocks_for(out.numel), detail::kThreads, 0,
-                       detail::native(stream)>>>(static_cast<T*>(out.data), kind, seed, offset,
-                                                 a, b, out.numel, out.contiguous, calc);
+    random_kernel<T>
+        <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
+            static_cast<T*>(out.data), kind, seed, offset, a, b, out.numel, out.contiguous, calc);
   });
   TANDEM_CUDA_CHECK(cudaGetLastError());
 }

@@ -36,7 +36,9 @@ namespace tandem::cuda::detail {
 
 constexpr int kThreads = 256;
 
-inline cudaStream_t native(void* stream) { return static_cast<cudaStream_t>(stream); }
+inline cudaStream_t native(void* stream) {
+  return static_cast<cudaStream_t>(stream);
+}
 
 // Grid size for a grid-stride loop over n items. Capping keeps the block count
 // within gridDim.x limits for any n; 2^16 blocks of 256 threads are ~128 waves
@@ -112,13 +114,27 @@ __device__ __forceinline__ To cast_to(V v) {
 template <class V>
 __device__ __forceinline__ void store_dyn(void* base, DType dtype, int64_t i, V v) {
   switch (dtype) {
-    case DType::F32: static_cast<float*>(base)[i] = cast_to<float>(v); break;
-    case DType::F64: static_cast<double*>(base)[i] = cast_to<double>(v); break;
-    case DType::BF16: static_cast<BFloat16*>(base)[i] = cast_to<BFloat16>(v); break;
-    case DType::F16: static_cast<Half*>(base)[i] = cast_to<Half>(v); break;
-    case DType::I32: static_cast<int32_t*>(base)[i] = cast_to<int32_t>(v); break;
-    case DType::I64: static_cast<int64_t*>(base)[i] = cast_to<int64_t>(v); break;
-    case DType::Bool: static_cast<bool*>(base)[i] = cast_to<bool>(v); break;
+    case DType::F32:
+      static_cast<float*>(base)[i] = cast_to<float>(v);
+      break;
+    case DType::F64:
+      static_cast<double*>(base)[i] = cast_to<double>(v);
+      break;
+    case DType::BF16:
+      static_cast<BFloat16*>(base)[i] = cast_to<BFloat16>(v);
+      break;
+    case DType::F16:
+      static_cast<Half*>(base)[i] = cast_to<Half>(v);
+      break;
+    case DType::I32:
+      static_cast<int32_t*>(base)[i] = cast_to<int32_t>(v);
+      break;
+    case DType::I64:
+      static_cast<int64_t*>(base)[i] = cast_to<int64_t>(v);
+      break;
+    case DType::Bool:
+      static_cast<bool*>(base)[i] = cast_to<bool>(v);
+      break;
   }
 }
 
@@ -131,16 +147,36 @@ __device__ __forceinline__ bool is_nan(V x) {
     return false;
   }
 }
-__device__ __forceinline__ float d_exp(float x) { return expf(x); }
-__device__ __forceinline__ double d_exp(double x) { return exp(x); }
-__device__ __forceinline__ float d_log(float x) { return logf(x); }
-__device__ __forceinline__ double d_log(double x) { return log(x); }
-__device__ __forceinline__ float d_sqrt(float x) { return sqrtf(x); }
-__device__ __forceinline__ double d_sqrt(double x) { return sqrt(x); }
-__device__ __forceinline__ float d_tanh(float x) { return tanhf(x); }
-__device__ __forceinline__ double d_tanh(double x) { return tanh(x); }
-__device__ __forceinline__ float d_pow(float x, float y) { return powf(x, y); }
-__device__ __forceinline__ double d_pow(double x, double y) { return pow(x, y); }
+__device__ __forceinline__ float d_exp(float x) {
+  return expf(x);
+}
+__device__ __forceinline__ double d_exp(double x) {
+  return exp(x);
+}
+__device__ __forceinline__ float d_log(float x) {
+  return logf(x);
+}
+__device__ __forceinline__ double d_log(double x) {
+  return log(x);
+}
+__device__ __forceinline__ float d_sqrt(float x) {
+  return sqrtf(x);
+}
+__device__ __forceinline__ double d_sqrt(double x) {
+  return sqrt(x);
+}
+__device__ __forceinline__ float d_tanh(float x) {
+  return tanhf(x);
+}
+__device__ __forceinline__ double d_tanh(double x) {
+  return tanh(x);
+}
+__device__ __forceinline__ float d_pow(float x, float y) {
+  return powf(x, y);
+}
+__device__ __forceinline__ double d_pow(double x, double y) {
+  return pow(x, y);
+}
 
 // Up to kMaxDims coordinates shared by N tensors of one shape; offsets[k] is
 // the element offset of linear index i in tensor k.
@@ -152,13 +188,15 @@ struct OffsetCalc {
 
   __device__ __forceinline__ void get(int64_t i, int64_t (&offsets)[N]) const {
 #pragma unroll
-    for (int k = 0; k < N; ++k) offsets[k] = 0;
+    for (int k = 0; k < N; ++k)
+      offsets[k] = 0;
     for (int d = ndim - 1; d >= 0; --d) {
       int64_t extent = shape[d];
       int64_t c = i % extent;
       i /= extent;
 #pragma unroll
-      for (int k = 0; k < N; ++k) offsets[k] += c * strides[k][d];
+      for (int k = 0; k < N; ++k)
+        offsets[k] += c * strides[k][d];
     }
   }
 };
@@ -180,10 +218,12 @@ OffsetCalc<N> make_offset_calc(const TensorArg* const (&args)[N]) {
     }
     if (merge) {
       calc.shape[last] *= ref.shape[d];
-      for (int k = 0; k < N; ++k) calc.strides[k][last] = args[k]->strides[d];
+      for (int k = 0; k < N; ++k)
+        calc.strides[k][last] = args[k]->strides[d];
     } else {
       calc.shape[calc.ndim] = ref.shape[d];
-      for (int k = 0; k < N; ++k) calc.strides[k][calc.ndim] = args[k]->strides[d];
+      for (int k = 0; k < N; ++k)
+        calc.strides[k][calc.ndim] = args[k]->strides[d];
       ++calc.ndim;
     }
   }
@@ -196,10 +236,14 @@ OffsetCalc<N> make_offset_calc(const TensorArg* const (&args)[N]) {
 template <class F>
 decltype(auto) dispatch_width(DType dtype, F&& fn) {
   switch (dtype_size(dtype)) {
-    case 1: return fn(TypeTag<uint8_t>{});
-    case 2: return fn(TypeTag<uint16_t>{});
-    case 4: return fn(TypeTag<uint32_t>{});
-    default: return fn(TypeTag<uint64_t>{});
+    case 1:
+      return fn(TypeTag<uint8_t>{});
+    case 2:
+      return fn(TypeTag<uint16_t>{});
+    case 4:
+      return fn(TypeTag<uint32_t>{});
+    default:
+      return fn(TypeTag<uint64_t>{});
   }
 }
 
@@ -236,7 +280,8 @@ __device__ S block_reduce(S value, S* shared, Combine combine) {
 // between one warp and `cap`.
 inline int row_threads(int64_t n, int cap = kThreads) {
   int threads = 32;
-  while (threads < cap && threads < n) threads *= 2;
+  while (threads < cap && threads < n)
+    threads *= 2;
   return threads;
 }
 

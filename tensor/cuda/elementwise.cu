@@ -18,29 +18,43 @@ template <class V>
 __device__ V unary_apply(UnaryOp op, V x) {
   if constexpr (std::is_floating_point_v<V>) {
     switch (op) {
-      case UnaryOp::Neg: return -x;
-      case UnaryOp::Exp: return detail::d_exp(x);
-      case UnaryOp::Log: return detail::d_log(x);
-      case UnaryOp::Sqrt: return detail::d_sqrt(x);
-      case UnaryOp::Rsqrt: return V(1) / detail::d_sqrt(x);
-      case UnaryOp::Abs: return x < V(0) ? -x : x;
-      case UnaryOp::Tanh: return detail::d_tanh(x);
-      case UnaryOp::Sigmoid: return V(1) / (V(1) + detail::d_exp(-x));
-      case UnaryOp::Relu: return x > V(0) ? x : V(0);
+      case UnaryOp::Neg:
+        return -x;
+      case UnaryOp::Exp:
+        return detail::d_exp(x);
+      case UnaryOp::Log:
+        return detail::d_log(x);
+      case UnaryOp::Sqrt:
+        return detail::d_sqrt(x);
+      case UnaryOp::Rsqrt:
+        return V(1) / detail::d_sqrt(x);
+      case UnaryOp::Abs:
+        return x < V(0) ? -x : x;
+      case UnaryOp::Tanh:
+        return detail::d_tanh(x);
+      case UnaryOp::Sigmoid:
+        return V(1) / (V(1) + detail::d_exp(-x));
+      case UnaryOp::Relu:
+        return x > V(0) ? x : V(0);
       case UnaryOp::Gelu: {
         const V k = V(0.7978845608028654);  // sqrt(2 / pi)
         return V(0.5) * x * (V(1) + detail::d_tanh(k * (x + V(0.044715) * x * x * x)));
       }
-      case UnaryOp::Silu: return x * (V(1) / (V(1) + detail::d_exp(-x)));
+      case UnaryOp::Silu:
+        return x * (V(1) / (V(1) + detail::d_exp(-x)));
     }
     return x;
   } else {
     // Integers: sign ops are exact; the transcendental ones go through double.
     switch (op) {
-      case UnaryOp::Neg: return -x;
-      case UnaryOp::Abs: return x < V(0) ? -x : x;
-      case UnaryOp::Relu: return x > V(0) ? x : V(0);
-      default: return static_cast<V>(unary_apply(op, static_cast<double>(x)));
+      case UnaryOp::Neg:
+        return -x;
+      case UnaryOp::Abs:
+        return x < V(0) ? -x : x;
+      case UnaryOp::Relu:
+        return x > V(0) ? x : V(0);
+      default:
+        return static_cast<V>(unary_apply(op, static_cast<double>(x)));
     }
   }
 }
@@ -61,10 +75,14 @@ __device__ V int_pow(V a, V b) {
 template <class V>
 __device__ V arith_apply(BinaryOp op, V a, V b) {
   switch (op) {
-    case BinaryOp::Add: return a + b;
-    case BinaryOp::Sub: return a - b;
-    case BinaryOp::Mul: return a * b;
-    case BinaryOp::Div: return a / b;
+    case BinaryOp::Add:
+      return a + b;
+    case BinaryOp::Sub:
+      return a - b;
+    case BinaryOp::Mul:
+      return a * b;
+    case BinaryOp::Div:
+      return a / b;
     case BinaryOp::Pow:
       if constexpr (std::is_floating_point_v<V>) {
         return detail::d_pow(a, b);
@@ -78,20 +96,28 @@ __device__ V arith_apply(BinaryOp op, V a, V b) {
     case BinaryOp::Minimum:
       if (detail::is_nan(a) || detail::is_nan(b)) return a + b;
       return b < a ? b : a;
-    default: return V(0);  // comparisons are handled by compare_apply
+    default:
+      return V(0);  // comparisons are handled by compare_apply
   }
 }
 
 template <class V>
 __device__ bool compare_apply(BinaryOp op, V a, V b) {
   switch (op) {
-    case BinaryOp::Eq: return a == b;
-    case BinaryOp::Ne: return a != b;
-    case BinaryOp::Lt: return a < b;
-    case BinaryOp::Le: return a <= b;
-    case BinaryOp::Gt: return a > b;
-    case BinaryOp::Ge: return a >= b;
-    default: return false;
+    case BinaryOp::Eq:
+      return a == b;
+    case BinaryOp::Ne:
+      return a != b;
+    case BinaryOp::Lt:
+      return a < b;
+    case BinaryOp::Le:
+      return a <= b;
+    case BinaryOp::Gt:
+      return a > b;
+    case BinaryOp::Ge:
+      return a >= b;
+    default:
+      return false;
   }
 }
 
@@ -124,9 +150,8 @@ __global__ void binary_kernel(BinaryOp op, const T* a, const T* b, O* out, int64
 }
 
 template <class T, class O>
-__global__ void binary_scalar_kernel(BinaryOp op, const T* a, double s, bool scalar_first,
-                                     O* out, int64_t n, bool contiguous,
-                                     detail::OffsetCalc<1> calc) {
+__global__ void binary_scalar_kernel(BinaryOp op, const T* a, double s, bool scalar_first, O* out,
+                                     int64_t n, bool contiguous, detail::OffsetCalc<1> calc) {
   using V = compute_t<T>;
   // Integer tensors compare against the exact scalar (lt(x, 2.5) on ints),
   // while arithmetic stays in the tensor's type.
@@ -164,10 +189,9 @@ void unary(UnaryOp op, const TensorArg& in, const TensorArg& out, void* stream) 
   auto calc = detail::make_offset_calc(args);
   dispatch_dtype(in.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    unary_kernel<T><<<detail::blocks_for(out.numel), detail::kThreads, 0,
-                      detail::native(stream)>>>(op, static_cast<const T*>(in.data),
-                                                static_cast<T*>(out.data), out.numel,
-                                                in.contiguous, calc);
+    unary_kernel<T><<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
+        op, static_cast<const T*>(in.data), static_cast<T*>(out.data), out.numel, in.contiguous,
+        calc);
   });
   TANDEM_CUDA_CHECK(cudaGetLastError());
 }
@@ -183,10 +207,10 @@ void binary(BinaryOp op, const TensorArg& a, const TensorArg& b, const TensorArg
     using T = typename decltype(tag)::type;
     auto launch = [&](auto* out_ptr) {
       using O = std::remove_pointer_t<decltype(out_ptr)>;
-      binary_kernel<T, O><<<detail::blocks_for(out.numel), detail::kThreads, 0,
-                            detail::native(stream)>>>(
-          op, static_cast<const T*>(a.data), static_cast<const T*>(b.data), out_ptr, out.numel,
-          contiguous, calc);
+      binary_kernel<T, O>
+          <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
+              op, static_cast<const T*>(a.data), static_cast<const T*>(b.data), out_ptr, out.numel,
+              contiguous, calc);
     };
     if (is_comparison(op)) {
       launch(static_cast<bool*>(out.data));
@@ -207,10 +231,10 @@ void binary_scalar(BinaryOp op, const TensorArg& a, double s, bool scalar_first,
     using T = typename decltype(tag)::type;
     auto launch = [&](auto* out_ptr) {
       using O = std::remove_pointer_t<decltype(out_ptr)>;
-      binary_scalar_kernel<T, O><<<detail::blocks_for(out.numel), detail::kThreads, 0,
-                                   detail::native(stream)>>>(
-          op, static_cast<const T*>(a.data), s, scalar_first, out_ptr, out.numel, a.contiguous,
-          calc);
+      binary_scalar_kernel<T, O>
+          <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
+              op, static_cast<const T*>(a.data), s, scalar_first, out_ptr, out.numel, a.contiguous,
+              calc);
     };
     if (is_comparison(op)) {
       launch(static_cast<bool*>(out.data));
@@ -231,8 +255,7 @@ void where(const TensorArg& cond, const TensorArg& a, const TensorArg& b, const 
   // where only moves elements: one instantiation per element width.
   detail::dispatch_width(out.dtype, [&](auto tag) {
     using U = typename decltype(tag)::type;
-    where_kernel<U><<<detail::blocks_for(out.numel), detail::kThreads, 0,
-                      detail::native(stream)>>>(
+    where_kernel<U><<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
         static_cast<const bool*>(cond.data), static_cast<const U*>(a.data),
         static_cast<const U*>(b.data), static_cast<U*>(out.data), out.numel, contiguous, calc);
   });

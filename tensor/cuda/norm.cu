@@ -1,0 +1,126 @@
+// CUDA normalisation over the last dim: layer_norm and rms_norm
+// (tensor/kernels.h). One block per row of x (rows, d); the block reduces the
+// row's statistics in shared memory and then writes the normalised row. The
+// statistics are computed in acc_t (f32 for 16-bit inputs, f64 for f64) and
+// stored as f32 for the backward pass. The variance is taken around the mean
+// (two passes over the row, which stays in L1/L2) rather than E[x^2] - E[x]^2,
+// which cancels catastrophically for rows with a large mean.
+#include "tensor/cuda/cuda_common.cuh"
+
+namespace tandem::cuda {
+namespace {
+
+using detail::load_as;
+
+// Element i of an optional (d) parameter, read in its own dtype (it may differ
+// from x's under mixed precision); `fallback` when absent.
+template <class V>
+__device__ __forceinline__ V load_param(const void* p, DType dtype, int64_t i, V fallback) {
+  if (p == nullptr) return fallback;
+  switch (dtype) {
+    case DType::F32:
+      return static_cast<V>(static_cast<const float*>(p)[i]);
+    case DType::F64:
+      return static_cast<V>(static_cast<const double*>(p)[i]);
+    case DType::BF16:
+      return load_as<V>(static_cast<const BFloat16*>(p)[i]);
+    case DType::F16:
+      return load_as<V>(static_cast<const Half*>(p)[i]);
+    default:
+      return fallback;  // the front end allows floating parameters only
+  }
+}
+
+struct Param {
+  const void* data;
+  DType dtype;
+};
+
+template <class T>
+__global__ void layer_norm_kernel(const T* x, Param weight, Param bias, double eps, int64_t rows,
+                                  int64_t d, T* out, float* mean_out, float* rstd_out) {
+  using V = acc_t<T>;
+  __shared__ V shared[detail::kThreads];
+  auto add = [](V a, V b) { return a + b; };
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * d;
+    V sum = 0;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x)
+      sum += load_as<V>(xr[i]);
+    V mean = detail::block_reduce(sum, shared, add) / static_cast<V>(d);
+    V sq = 0;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+      V c = load_as<V>(xr[i]) - mean;
+      sq += c * c;
+    }
+    V var = detail::block_reduce(sq, shared, add) / static_cast<V>(d);
+    V rstd = V(1) / detail::d_sqrt(var + static_cast<V>(eps));
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+      V w = load_param<V>(weight.data, weight.dtype, i, V(1));
+      V b = load_param<V>(bias.data, bias.dtype, i, V(0));
+      out[row * d + i] = T((load_as<V>(xr[i]) - mean) * rstd * w + b);
+    }
+    if (threadIdx.x == 0) {
+      if (mean_out != nullptr) mean_out[row] = static_cast<float>(mean);
+      if (rstd_out != nullptr) rstd_out[row] = static_cast<float>(rstd);
+    }
+  }
+}
+
+template <class T>
+__global__ void rms_norm_kernel(const T* x, Param weight, double eps, int64_t rows, int64_t d,
+                                T* out, float* rstd_out) {
+  using V = acc_t<T>;
+  __shared__ V shared[detail::kThreads];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * d;
+    V sq = 0;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+      V v = load_as<V>(xr[i]);
+      sq += v * v;
+    }
+    V ms = detail::block_reduce(sq, shared, [](V a, V b) { return a + b; }) / static_cast<V>(d);
+    V rstd = V(1) / detail::d_sqrt(ms + static_cast<V>(eps));
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+      V w = load_param<V>(weight.data, weight.dtype, i, V(1));
+      out[row * d + i] = T(load_as<V>(xr[i]) * rstd * w);
+    }
+    if (threadIdx.x == 0 && rstd_out != nullptr) rstd_out[row] = static_cast<float>(rstd);
+  }
+}
+
+unsigned row_blocks(int64_t rows) {
+  return static_cast<unsigned>(std::min<int64_t>(rows, int64_t{1} << 16));
+}
+
+}  // namespace
+
+void layer_norm(const TensorArg& x, const TensorArg& weight, const TensorArg& bias, double eps,
+                int64_t rows, int64_t d, const TensorArg& out, const TensorArg& mean,
+                const TensorArg& rstd, void* stream) {
+  if (rows == 0) return;
+  detail::DeviceGuard guard(stream);
+  dispatch_floating(x.dtype, "layer_norm", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    layer_norm_kernel<T><<<row_blocks(rows), detail::row_threads(d), 0, detail::native(stream)>>>(
+        static_cast<const T*>(x.data), Param{weight.data, weight.dtype},
+        Param{bias.data, bias.dtype}, eps, rows, d, static_cast<T*>(out.data),
+        static_cast<float*>(mean.data), static_cast<float*>(rstd.data));
+  });
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+}
+
+void rms_norm(const TensorArg& x, const TensorArg& weight, double eps, int64_t rows, int64_t d,
+              const TensorArg& out, const TensorArg& rstd, void* stream) {
+  if (rows == 0) return;
+  detail::DeviceGuard guard(stream);
+  dispatch_floating(x.dtype, "rms_norm", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    rms_norm_kernel<T><<<row_blocks(rows), detail::row_threads(d), 0, detail::native(stream)>>>(
+        static_cast<const T*>(x.data), Param{weight.data, weight.dtype}, eps, rows, d,
+        static_cast<T*>(out.data), static_cast<float*>(rstd.data));
+  });
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace tandem::cuda

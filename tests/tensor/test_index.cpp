@@ -26,7 +26,9 @@ using Sizes = std::vector<int64_t>;
 
 int64_t count_of(const Sizes& shape) {
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  for (int64_t s : shape) {
+    n *= s;
+  }
   return n;
 }
 
@@ -41,7 +43,9 @@ Sizes unravel(int64_t flat, const Sizes& shape) {
 
 int64_t ravel(const Sizes& c, const Sizes& shape) {
   int64_t flat = 0;
-  for (size_t i = 0; i < shape.size(); ++i) flat = flat * shape[i] + c[i];
+  for (size_t i = 0; i < shape.size(); ++i) {
+    flat = flat * shape[i] + c[i];
+  }
   return flat;
 }
 
@@ -49,11 +53,15 @@ int64_t ravel(const Sizes& c, const Sizes& shape) {
 template <class T>
 std::vector<T> permuted(const std::vector<T>& v, const Sizes& shape, const Sizes& perm) {
   Sizes out_shape(shape.size());
-  for (size_t i = 0; i < perm.size(); ++i) out_shape[i] = shape[perm[i]];
+  for (size_t i = 0; i < perm.size(); ++i) {
+    out_shape[i] = shape[perm[i]];
+  }
   std::vector<T> out(v.size());
   for (int64_t f = 0; f < count_of(out_shape); ++f) {
     Sizes oc = unravel(f, out_shape), ic(shape.size());
-    for (size_t i = 0; i < perm.size(); ++i) ic[perm[i]] = oc[i];
+    for (size_t i = 0; i < perm.size(); ++i) {
+      ic[perm[i]] = oc[i];
+    }
     out[f] = v[ravel(ic, shape)];
   }
   return out;
@@ -63,7 +71,9 @@ std::vector<float> random_floats(int64_t n, uint32_t seed) {
   std::mt19937 gen(seed);
   std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
   std::vector<float> v(n);
-  for (auto& x : v) x = dist(gen);
+  for (auto& x : v) {
+    x = dist(gen);
+  }
   return v;
 }
 
@@ -71,7 +81,9 @@ std::vector<int64_t> random_indices(int64_t count, int64_t n, uint32_t seed) {
   std::mt19937 gen(seed);
   std::uniform_int_distribution<int64_t> dist(0, n - 1);
   std::vector<int64_t> v(count);
-  for (auto& x : v) x = dist(gen);
+  for (auto& x : v) {
+    x = dist(gen);
+  }
   return v;
 }
 
@@ -98,7 +110,9 @@ TEST_CASE("embedding looks up rows for any index shape", "[index]") {
       REQUIRE(out.shape() == Shape{2, 3, D});
       const std::vector<float> got = out.to_vector<float>();
       for (size_t i = 0; i < idx.size(); ++i) {
-        for (int64_t d = 0; d < D; ++d) REQUIRE(got[i * D + d] == w[idx[i] * D + d]);
+        for (int64_t d = 0; d < D; ++d) {
+          REQUIRE(got[i * D + d] == w[idx[i] * D + d]);
+        }
       }
     }
   }
@@ -107,7 +121,9 @@ TEST_CASE("embedding looks up rows for any index shape", "[index]") {
     const std::vector<float> dense = permuted(w, {D, V}, {1, 0});
     const std::vector<float> got = ops::embedding(wt, i64_tensor(idx, {6})).to_vector<float>();
     for (size_t i = 0; i < idx.size(); ++i) {
-      for (int64_t d = 0; d < D; ++d) REQUIRE(got[i * D + d] == dense[idx[i] * D + d]);
+      for (int64_t d = 0; d < D; ++d) {
+        REQUIRE(got[i * D + d] == dense[idx[i] * D + d]);
+      }
     }
   }
   SECTION("errors") {
@@ -157,9 +173,9 @@ TEST_CASE("index_select picks slices along each dim", "[index]") {
   }
   SECTION("errors") {
     const Tensor t = ops::from_vector<float>(v, Shape(shape));
-    REQUIRE_THROWS_WITH(ops::index_select(t, 1, i64_tensor({0, 4}, {2})).to_vector<float>(),
-                        Contains("[tensor::index_select]") && Contains("got 4") &&
-                            Contains("[0, 4)"));
+    REQUIRE_THROWS_WITH(
+        ops::index_select(t, 1, i64_tensor({0, 4}, {2})).to_vector<float>(),
+        Contains("[tensor::index_select]") && Contains("got 4") && Contains("[0, 4)"));
     REQUIRE_THROWS_WITH(ops::index_select(t, 0, i64_tensor({-1}, {1})).to_vector<float>(),
                         Contains("[tensor::index_select]") && Contains("got -1"));
     REQUIRE_THROWS_WITH(ops::index_select(t, 0, i64_tensor({0, 1}, {1, 2})),
@@ -221,9 +237,8 @@ TEST_CASE("gather reads along each dim, duplicates included", "[index]") {
   }
   SECTION("errors") {
     const Tensor t = ops::from_vector<float>(v, Shape(shape));
-    REQUIRE_THROWS_WITH(
-        ops::gather(t, 1, i64_tensor({0, 1, 2, 7}, {1, 4, 1})).to_vector<float>(),
-        Contains("[tensor::gather]") && Contains("got 7") && Contains("[0, 4)"));
+    REQUIRE_THROWS_WITH(ops::gather(t, 1, i64_tensor({0, 1, 2, 7}, {1, 4, 1})).to_vector<float>(),
+                        Contains("[tensor::gather]") && Contains("got 7") && Contains("[0, 4)"));
     REQUIRE_THROWS_WITH(ops::gather(t, 1, i64_tensor({0, 1}, {1, 2})),
                         Contains("[tensor::gather]") && Contains("rank"));
     REQUIRE_THROWS_WITH(ops::gather(t, 1, ops::from_vector<float>({0.0f}, {1, 1, 1})),
@@ -300,11 +315,15 @@ TEST_CASE("scatter_add accumulates along each dim, duplicates included", "[index
         Contains("[tensor::scatter_add]") && Contains("got 3") && Contains("[0, 3)"));
     REQUIRE_THROWS_WITH(ops::scatter_add(t, 0, i64_tensor({0, 1, 2, 0}, {4}), src),
                         Contains("[tensor::scatter_add]") && Contains("rank"));
-    REQUIRE_THROWS_WITH(ops::scatter_add(t, 0, i64_tensor({0}, {1, 1}), ops::ones({3, 4}, DType::F64)),
-                        Contains("[tensor::scatter_add]") && Contains("f64"));
+    REQUIRE_THROWS_WITH(
+        ops::scatter_add(t, 0, i64_tensor({0}, {1, 1}), ops::ones({3, 4}, DType::F64)),
+        Contains("[tensor::scatter_add]") && Contains("f64"));
     REQUIRE_THROWS_WITH(
         ops::scatter_add(t, 0, i64_tensor(std::vector<int64_t>(5, 0), {1, 5}), ops::ones({3, 5})),
-        Contains("[tensor::scatter_add]") && Contains("index.shape[1]"));
+        Contains("[tensor::scatter_add]") && Contains("index.shape[1] <= t.shape[1]"));
+    REQUIRE_THROWS_WITH(ops::scatter_add(t, 0, i64_tensor({0, 0}, {2, 1}), ops::ones({1, 4})),
+                        Contains("[tensor::scatter_add]") &&
+                            Contains("index.shape[0] <= src.shape[0], got 2 vs 1"));
     REQUIRE_THROWS_WITH(ops::scatter_add(t, 0, ops::zeros({1, 1}), src),
                         Contains("[tensor::scatter_add]") && Contains("f32"));
   }
@@ -316,8 +335,9 @@ namespace {
 // smallest) value not taken yet, NaN above everything, lowest index on ties.
 std::vector<int64_t> naive_topk(const std::vector<float>& row, int64_t k, bool largest) {
   const auto better = [&](float a, float b) {  // a strictly before b
-    if (std::isnan(a) || std::isnan(b)) return largest ? (std::isnan(a) && !std::isnan(b))
-                                                       : (std::isnan(b) && !std::isnan(a));
+    if (std::isnan(a) || std::isnan(b)) {
+      return largest ? (std::isnan(a) && !std::isnan(b)) : (std::isnan(b) && !std::isnan(a));
+    }
     return largest ? a > b : a < b;
   };
   std::vector<bool> taken(row.size(), false);
@@ -347,13 +367,16 @@ std::vector<int64_t> naive_argsort(const std::vector<float>& row, bool descendin
   return out;
 }
 
-bool same_float(float a, float b) { return (std::isnan(a) && std::isnan(b)) || a == b; }
+bool same_float(float a, float b) {
+  return (std::isnan(a) && std::isnan(b)) || a == b;
+}
 
 }  // namespace
 
 TEST_CASE("topk returns sorted values and indices, ties by lower index", "[index]") {
   // Few distinct values, so ties are everywhere.
-  const std::vector<float> v = {3, 1, 3, 2, 2, 5, 1, 5, 0, 3, 2, 2, 4, 4, 1, 0, 4, 3, 3, 1, 2, 0, 0, 5};
+  const std::vector<float> v = {3, 1, 3, 2, 2, 5, 1, 5, 0, 3, 2, 2,
+                                4, 4, 1, 0, 4, 3, 3, 1, 2, 0, 0, 5};
   for (bool largest : {true, false}) {
     for (int dim : {1, 0}) {
       DYNAMIC_SECTION((largest ? "largest" : "smallest") << " along dim " << dim) {
@@ -369,7 +392,9 @@ TEST_CASE("topk returns sorted values and indices, ties by lower index", "[index
         const std::vector<int64_t> gi = ops::contiguous(indices).to_vector<int64_t>();
         for (int64_t r = 0; r < rows; ++r) {
           std::vector<float> row(n);
-          for (int64_t j = 0; j < n; ++j) row[j] = dim == 1 ? v[r * 6 + j] : v[j * 6 + r];
+          for (int64_t j = 0; j < n; ++j) {
+            row[j] = dim == 1 ? v[r * 6 + j] : v[j * 6 + r];
+          }
           const std::vector<int64_t> want = naive_topk(row, k, largest);
           for (int64_t s = 0; s < k; ++s) {
             const int64_t at = dim == 1 ? r * k + s : s * 6 + r;
@@ -383,7 +408,8 @@ TEST_CASE("topk returns sorted values and indices, ties by lower index", "[index
   }
   SECTION("NaN counts as the largest value; a transposed input") {
     const float nan = std::numeric_limits<float>::quiet_NaN();
-    const std::vector<float> base = {1, nan, -2, 7, nan, 7, 0, 3};  // (2, 4), topk on dim 0 of (4, 2)
+    const std::vector<float> base = {1,   nan, -2, 7,
+                                     nan, 7,   0,  3};  // (2, 4), topk on dim 0 of (4, 2)
     const Tensor t = ops::transpose(ops::from_vector<float>(base, {2, 4}), 0, 1);
     for (bool largest : {true, false}) {
       auto [values, indices] = ops::topk(t, 4, 0, largest);
@@ -423,7 +449,9 @@ TEST_CASE("argsort is stable in both directions", "[index]") {
       for (int64_t r = 0; r < 3; ++r) {
         const std::vector<float> row(v.begin() + r * 6, v.begin() + r * 6 + 6);
         const std::vector<int64_t> want = naive_argsort(row, descending);
-        for (int64_t j = 0; j < 6; ++j) REQUIRE(got[r * 6 + j] == want[j]);
+        for (int64_t j = 0; j < 6; ++j) {
+          REQUIRE(got[r * 6 + j] == want[j]);
+        }
       }
     }
     DYNAMIC_SECTION((descending ? "descending" : "ascending") << " along dim 0 of a transpose") {
@@ -435,7 +463,29 @@ TEST_CASE("argsort is stable in both directions", "[index]") {
       for (int64_t c = 0; c < 3; ++c) {
         const std::vector<float> col(v.begin() + c * 6, v.begin() + c * 6 + 6);
         const std::vector<int64_t> want = naive_argsort(col, descending);
-        for (int64_t j = 0; j < 6; ++j) REQUIRE(got[j * 3 + c] == want[j]);
+        for (int64_t j = 0; j < 6; ++j) {
+          REQUIRE(got[j * 3 + c] == want[j]);
+        }
+      }
+    }
+  }
+  SECTION("long rows of three distinct values") {
+    // Long enough that an unstable sort (introsort past 16 elements) would
+    // reorder equal values.
+    std::vector<float> r(2 * 200);
+    std::mt19937 gen(60);
+    for (auto& x : r) {
+      x = static_cast<float>(gen() % 3);
+    }
+    for (bool descending : {false, true}) {
+      const std::vector<int64_t> got =
+          ops::argsort(ops::from_vector<float>(r, {2, 200}), 1, descending).to_vector<int64_t>();
+      for (int64_t row = 0; row < 2; ++row) {
+        const std::vector<float> line(r.begin() + row * 200, r.begin() + row * 200 + 200);
+        const std::vector<int64_t> want = naive_argsort(line, descending);
+        for (int64_t j = 0; j < 200; ++j) {
+          REQUIRE(got[row * 200 + j] == want[j]);
+        }
       }
     }
   }
@@ -447,9 +497,13 @@ TEST_CASE("argsort is stable in both directions", "[index]") {
     for (int64_t a = 0; a < 2; ++a) {
       for (int64_t c = 0; c < 3; ++c) {
         std::vector<float> line(7);
-        for (int64_t j = 0; j < 7; ++j) line[j] = r[(a * 7 + j) * 3 + c];
+        for (int64_t j = 0; j < 7; ++j) {
+          line[j] = r[(a * 7 + j) * 3 + c];
+        }
         const std::vector<int64_t> want = naive_argsort(line, false);
-        for (int64_t j = 0; j < 7; ++j) REQUIRE(got[(a * 7 + j) * 3 + c] == want[j]);
+        for (int64_t j = 0; j < 7; ++j) {
+          REQUIRE(got[(a * 7 + j) * 3 + c] == want[j]);
+        }
       }
     }
   }
@@ -465,7 +519,9 @@ TEST_CASE("one_hot", "[index]") {
       REQUIRE(out.dtype() == DType::I64);
       const std::vector<int64_t> got = out.to_vector<int64_t>();
       for (size_t i = 0; i < idx.size(); ++i) {
-        for (int64_t c = 0; c < 5; ++c) REQUIRE(got[i * 5 + c] == (c == idx[i] ? 1 : 0));
+        for (int64_t c = 0; c < 5; ++c) {
+          REQUIRE(got[i * 5 + c] == (c == idx[i] ? 1 : 0));
+        }
       }
     }
   }
@@ -474,7 +530,9 @@ TEST_CASE("one_hot", "[index]") {
     const std::vector<int64_t> dense = permuted(idx, {2, 3}, {1, 0});
     const std::vector<int64_t> got = ops::one_hot(indices, 4).to_vector<int64_t>();
     for (size_t i = 0; i < dense.size(); ++i) {
-      for (int64_t c = 0; c < 4; ++c) REQUIRE(got[i * 4 + c] == (c == dense[i] ? 1 : 0));
+      for (int64_t c = 0; c < 4; ++c) {
+        REQUIRE(got[i * 4 + c] == (c == dense[i] ? 1 : 0));
+      }
     }
   }
   SECTION("errors") {

@@ -294,7 +294,7 @@ int run_tensor(const Options& options) {
   TimingConfig config = timing_config(options);
   Report report("tensor", options, config);
   report.set("openblas", openblas_get_config(),
-             fmt::format("baseline BLAS: OpenBLAS {}", openblas_get_config()));
+             fmt::format("baseline BLAS: {}", openblas_get_config()));
   bench_cpu_matmul(report, config);
   bench_elementwise(report, config);
   bench_gpu_matmul(report, config);

@@ -1,0 +1,310 @@
+// Differentiable matmul, normalisation, indexing, cross-entropy and attention.
+#include <cmath>
+#include <limits>
+
+#include "autograd/ops.h"
+
+namespace tandem {
+namespace {
+
+#define TANDEM_NODE_NAME(N) \
+  const char* name() const override { return #N; }
+
+// (…, M, K) @ (…, K, N), both of rank >= 2 (1-D cases are views around it).
+struct MatmulBackward final : Node {
+  TANDEM_NODE_NAME(MatmulBackward)
+  Tensor a, b;
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    Tensor ga, gb;
+    if (needs_grad(0)) ga = sum_to(ops::matmul(g[0], ops::transpose(b, -1, -2)), a.shape());
+    if (needs_grad(1)) gb = sum_to(ops::matmul(ops::transpose(a, -1, -2), g[0]), b.shape());
+    return {ga, gb};
+  }
+  void release_saved() override { a = b = Tensor(); }
+};
+
+Tensor matmul_2d(const Tensor& a, const Tensor& b) {
+  Tensor out = ops::matmul(a, b);
+  if (auto node = record<MatmulBackward>({&a, &b}, {&out})) {
+    node->a = detach(a);
+    node->b = detach(b);
+  }
+  return out;
+}
+
+// Rows of x as a (rows, d) view: the shape normalisation of the norm kernels.
+Tensor row_view(const Tensor& t, int64_t d) { return ops::reshape(t, Shape{-1, d}); }
+
+struct LayerNormBackward final : Node {
+  TANDEM_NODE_NAME(LayerNormBackward)
+  Tensor x, weight, mean, rstd;  // mean/rstd: (rows) f32
+  bool has_bias = false;
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    const int64_t d = x.shape().back();
+    Tensor x2 = ops::to(row_view(x, d), DType::F32);
+    Tensor g2 = ops::to(row_view(g[0], d), DType::F32);
+    Tensor r = ops::unsqueeze(rstd, 1);
+    Tensor xhat = ops::mul(ops::sub(x2, ops::unsqueeze(mean, 1)), r);
+    Tensor gw = weight.defined() ? ops::mul(g2, ops::to(weight, DType::F32)) : g2;
+    Tensor m1 = ops::mean(gw, Dims{1}, true);
+    Tensor m2 = ops::mean(ops::mul(gw, xhat), Dims{1}, true);
+    Tensor gx = ops::mul(ops::sub(ops::sub(gw, m1), ops::mul(xhat, m2)), r);
+    std::vector<Tensor> out(3);
+    out[0] = ops::to(ops::reshape(gx, x.shape()), x.dtype());
+    if (weight.defined() && needs_grad(1)) {
+      out[1] = ops::to(ops::sum(ops::mul(g2, xhat), Dims{0}), weight.dtype());
+    }
+    if (has_bias && needs_grad(2)) out[2] = ops::to(ops::sum(g2, Dims{0}), weight.dtype());
+    return out;
+  }
+  void release_saved() override { x = weight = mean = rstd = Tensor(); }
+};
+
+struct RmsNormBackward final : Node {
+  TANDEM_NODE_NAME(RmsNormBackward)
+  Tensor x, weight, rstd;
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    const int64_t d = x.shape().back();
+    Tensor x2 = ops::to(row_view(x, d), DType::F32);
+    Tensor g2 = ops::to(row_view(g[0], d), DType::F32);
+    Tensor r = ops::unsqueeze(rstd, 1);
+    Tensor xhat = ops::mul(x2, r);
+    Tensor gw = weight.defined() ? ops::mul(g2, ops::to(weight, DType::F32)) : g2;
+    Tensor m = ops::mean(ops::mul(gw, xhat), Dims{1}, true);
+    Tensor gx = ops::mul(ops::sub(gw, ops::mul(xhat, m)), r);
+    std::vector<Tensor> out(2);
+    out[0] = ops::to(ops::reshape(gx, x.shape()), x.dtype());
+    if (weight.defined() && needs_grad(1)) {
+      out[1] = ops::to(ops::sum(ops::mul(g2, xhat), Dims{0}), weight.dtype());
+    }
+    return out;
+  }
+  void release_saved() override { x = weight = rstd = Tensor(); }
+};
+
+// Scatter-adds a gradient back along `dim` at `index` (same rank as g).
+Tensor scatter_into_zeros(const Shape& shape, DType dtype, int64_t dim, const Tensor& index,
+                          const Tensor& g) {
+  return ops::scatter_add(ops::zeros(shape, dtype, g.device()), dim, index, g);
+}
+
+struct GatherBackward final : Node {
+  TANDEM_NODE_NAME(GatherBackward)
+  Shape shape;
+  DType dtype;
+  int64_t dim = 0;
+  Tensor index;
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    // gather(t, dim, index) has two inputs; topk's values only one.
+    std::vector<Tensor> out{scatter_into_zeros(shape, dtype, dim, index, g[0])};
+    out.resize(next_edges().size());
+    return out;
+  }
+  void release_saved() override { index = Tensor(); }
+};
+
+struct ScatterAddBackward final : Node {
+  TANDEM_NODE_NAME(ScatterAddBackward)
+  int64_t dim = 0;
+  Tensor index;
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    return {g[0], Tensor(), needs_grad(2) ? ops::gather(g[0], dim, index) : Tensor()};
+  }
+  void release_saved() override { index = Tensor(); }
+};
+
+// Index tensor of g's shape that repeats a 1-D `index` along `dim`.
+Tensor broadcast_index(const Tensor& index, int dim, const Shape& shape) {
+  Shape view_shape = Dims::filled(shape.size(), 1);
+  view_shape[dim] = index.numel();
+  return ops::contiguous(ops::expand(ops::reshape(ops::to(index, DType::I64), view_shape), shape));
+}
+
+struct IndexSelectBackward final : Node {
+  TANDEM_NODE_NAME(IndexSelectBackward)
+  Shape shape;
+  DType dtype;
+  int dim = 0;
+  Tensor index;  // 1-D
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    return {scatter_into_zeros(shape, dtype, dim, broadcast_index(index, dim, g[0].shape()), g[0]),
+            Tensor()};
+  }
+  void release_saved() override { index = Tensor(); }
+};
+
+// Attention backward from the saved inputs, output and log-sum-exp (the
+// FlashAttention formulation): P = exp(S - lse) is recomputed, never saved.
+struct AttentionBackward final : Node {
+  TANDEM_NODE_NAME(AttentionBackward)
+  Tensor q, k, v, out, lse;
+  AttentionOptions options;
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    const int64_t B = q.shape()[0], Hq = q.shape()[1], Sq = q.shape()[2], D = q.shape()[3];
+    const int64_t Hkv = k.shape()[1], Sk = k.shape()[2], G = Hq / Hkv;
+    const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
+    DType dt = q.dtype() == DType::F64 ? DType::F64 : DType::F32;
+    // Grouped heads: view q/dO/O as (B, Hkv, G*Sq, D) so one matmul serves a group.
+    auto group = [&](const Tensor& t) {
+      return ops::reshape(ops::to(t, dt), Shape{B, Hkv, G * Sq, t.shape()[3]});
+    };
+    Tensor qg = group(q), dog = group(g[0]), og = group(out);
+    Tensor kf = ops::to(k, dt), vf = ops::to(v, dt);
+    Tensor s = ops::mul(ops::matmul(qg, ops::transpose(kf, -1, -2)), scale);
+    Tensor lse_g = ops::reshape(ops::to(lse, dt), Shape{B, Hkv, G * Sq, 1});
+    // Rows with no visible key have lse = -inf: their P is 0.
+    Tensor finite = ops::lt(ops::abs(lse_g), std::numeric_limits<double>::infinity());
+    Tensor p = ops::exp(ops::sub(s, ops::where(finite, lse_g, 0.0)));
+    Tensor visible = ops::expand(finite, p.shape());
+    if (options.causal) {
+      Tensor qpos = ops::add(ops::arange(0, static_cast<double>(Sq), 1, DType::I64, q.device()),
+                             static_cast<double>(options.q_offset));
+      Tensor kpos = ops::add(ops::arange(0, static_cast<double>(Sk), 1, DType::I64, q.device()),
+                             static_cast<double>(options.k_offset));
+      Tensor mask = ops::le(ops::unsqueeze(kpos, 0), ops::unsqueeze(qpos, 1));  // (Sq, Sk)
+      mask = ops::reshape(ops::expand(ops::unsqueeze(mask, 0), Shape{G, Sq, Sk}), Shape{G * Sq, Sk});
+      visible = ops::where(mask, visible, ops::zeros(Shape{}, DType::Bool, q.device()));
+    }
+    p = ops::where(visible, p, 0.0);
+    Tensor dv = ops::matmul(ops::transpose(p, -1, -2), dog);           // (B, Hkv, Sk, D)
+    Tensor dp = ops::matmul(dog, ops::transpose(vf, -1, -2));           // (B, Hkv, G*Sq, Sk)
+    Tensor delta = ops::sum(ops::mul(dog, og), Dims{-1}, true);         // (B, Hkv, G*Sq, 1)
+    Tensor ds = ops::mul(ops::mul(p, ops::sub(dp, delta)), scale);
+    Tensor dq = ops::reshape(ops::matmul(ds, kf), q.shape());
+    Tensor dk = ops::matmul(ops::transpose(ds, -1, -2), qg);            // (B, Hkv, Sk, D)
+    return {ops::to(dq, q.dtype()), ops::to(dk, k.dtype()), ops::to(dv, v.dtype())};
+  }
+  void release_saved() override { q = k = v = out = lse = Tensor(); }
+};
+
+}  // namespace
+
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  TANDEM_CHECK(a.dim() >= 1 && b.dim() >= 1,
+               "[tensor::matmul] expected operands of rank >= 1, got {} and {}", a.shape(),
+               b.shape());
+  if (a.dim() >= 2 && b.dim() >= 2) return matmul_2d(a, b);
+  Tensor a2 = a.dim() == 1 ? unsqueeze(a, 0) : a;
+  Tensor b2 = b.dim() == 1 ? unsqueeze(b, 1) : b;
+  Tensor out = matmul_2d(a2, b2);
+  if (a.dim() == 1) out = squeeze(out, -2);
+  if (b.dim() == 1) out = squeeze(out, -1);
+  return out;
+}
+
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  TANDEM_CHECK(w.dim() == 2, "[nn::linear] expected a weight of shape (out, in), got {}",
+               w.shape());
+  Tensor y = matmul(x, transpose(w, 0, 1));
+  return b.defined() ? add(y, b) : y;
+}
+
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  NormResult r = ops::layer_norm(x, weight, bias, eps);
+  Tensor out = r.out;
+  if (auto node = record<LayerNormBackward>({&x, &weight, &bias}, {&out})) {
+    node->x = detach(x);
+    node->weight = detach(weight);
+    node->mean = r.mean;
+    node->rstd = r.rstd;
+    node->has_bias = bias.defined();
+  }
+  return out;
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  NormResult r = ops::rms_norm(x, weight, eps);
+  Tensor out = r.out;
+  if (auto node = record<RmsNormBackward>({&x, &weight}, {&out})) {
+    node->x = detach(x);
+    node->weight = detach(weight);
+    node->rstd = r.rstd;
+  }
+  return out;
+}
+
+Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index) {
+  Tensor out = ops::index_select(t, dim, index);
+  if (auto node = record<IndexSelectBackward>({&t, &index}, {&out})) {
+    node->shape = t.shape();
+    node->dtype = t.dtype();
+    node->dim = wrap_dim(dim, t.dim(), "index_select");
+    node->index = detach(ops::reshape(index, Shape{-1}));
+  }
+  return out;
+}
+
+Tensor embedding(const Tensor& weight, const Tensor& indices) {
+  TANDEM_CHECK(weight.dim() == 2, "[nn::embedding] expected a weight of shape (V, D), got {}",
+               weight.shape());
+  Tensor rows = index_select(weight, 0, ops::reshape(indices, Shape{-1}));
+  Shape shape = indices.shape();
+  shape.push_back(weight.shape()[1]);
+  return reshape(rows, shape);
+}
+
+Tensor gather(const Tensor& t, int64_t dim, const Tensor& index) {
+  Tensor out = ops::gather(t, dim, index);
+  if (auto node = record<GatherBackward>({&t, &index}, {&out})) {
+    node->shape = t.shape();
+    node->dtype = t.dtype();
+    node->dim = dim;
+    node->index = detach(index);
+  }
+  return out;
+}
+
+Tensor scatter_add(const Tensor& t, int64_t dim, const Tensor& index, const Tensor& src) {
+  Tensor out = ops::scatter_add(t, dim, index, src);
+  if (auto node = record<ScatterAddBackward>({&t, &index, &src}, {&out})) {
+    node->dim = dim;
+    node->index = detach(index);
+  }
+  return out;
+}
+
+std::pair<Tensor, Tensor> topk(const Tensor& t, int64_t k, int64_t dim, bool largest) {
+  auto [values, indices] = ops::topk(t, k, dim, largest);
+  if (auto node = record<GatherBackward>({&t}, {&values})) {
+    node->shape = t.shape();
+    node->dtype = t.dtype();
+    node->dim = dim;
+    node->index = indices;
+  }
+  return {values, indices};
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
+  TANDEM_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.shape()[0] == logits.shape()[0],
+               "[nn::cross_entropy] expected logits (N, C) and targets (N), got {} and {}",
+               logits.shape(), targets.shape());
+  TANDEM_CHECK(!is_floating(targets.dtype()),
+               "[nn::cross_entropy] expected integer targets, got {}", dtype_name(targets.dtype()));
+  Tensor t = ops::to(targets, DType::I64);
+  Tensor keep = ops::ne(t, static_cast<double>(ignore_index));
+  Tensor safe = ops::where(keep, t, 0.0);
+  Tensor logp = log_softmax(to(logits, logits.dtype() == DType::F64 ? DType::F64 : DType::F32), 1);
+  Tensor picked = squeeze(gather(logp, 1, ops::unsqueeze(safe, 1)), 1);
+  Tensor masked = where(keep, picked, 0.0);
+  // The count stays on the device (no host synchronisation in the forward).
+  Tensor count = ops::maximum(ops::sum(ops::to(keep, masked.dtype())),
+                              ops::ones(Shape{}, masked.dtype(), masked.device()));
+  return div(neg(sum(masked)), count);
+}
+
+AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const AttentionOptions& options) {
+  AttentionResult r = ops::scaled_dot_product_attention(q, k, v, options);
+  Tensor out = r.out;
+  if (auto node = record<AttentionBackward>({&q, &k, &v}, {&out})) {
+    node->q = detach(q);
+    node->k = detach(k);
+    node->v = detach(v);
+    node->out = detach(out);
+    node->lse = r.lse;
+    node->options = options;
+  }
+  return {out, r.lse};
+}
+
+}  // namespace tandem
