@@ -3,6 +3,15 @@
 // gives the same bits as the CPU backend. Random numbers come from the
 // counter-based Philox of tensor/random.h, element i using counter offset + i,
 // so a draw is identical on CPU and CUDA for the same generator state.
+//
+// Note [Random and arange rounding]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Bit-identical results need the same roundings as tensor/cpu/copy.cpp:
+// uniform is lo + width * u in float with lo = float(a), width = float(b - a);
+// normal is a + b * z and arange start + step * i, both in double. The CPU
+// build (g++ -O3 -march=native, whose default -ffp-contract=fast) compiles each
+// of these into one fused multiply-add, so the kernels call fma explicitly
+// rather than leaving the choice to nvcc's contraction.
 #include "tensor/cuda/cuda_common.cuh"
 #include "tensor/random.h"
 
@@ -43,28 +52,24 @@ __global__ void arange_kernel(T* out, double start, double step, int64_t n, bool
   for (int64_t i = detail::grid_start(); i < n; i += detail::grid_step()) {
     int64_t off[1] = {i};
     if (!contiguous) calc.get(i, off);
-    // Explicit rounding intrinsics: nvcc would otherwise fuse this into an
-    // fma and round once where the CPU rounds twice.
-    out[off[0]] = cast_to<T>(__dadd_rn(start, __dmul_rn(static_cast<double>(i), step)));
+    // Note [Random and arange rounding]
+    out[off[0]] = cast_to<T>(fma(step, static_cast<double>(i), start));
   }
 }
 
 template <class T>
 __global__ void random_kernel(T* out, RandomKind kind, uint64_t seed, uint64_t offset, double a,
-                              double b, int64_t n, bool contiguous, detail::OffsetCalc<1> calc) {
+                              double b, float lo, float width, int64_t n, bool contiguous,
+                              detail::OffsetCalc<1> calc) {
   for (int64_t i = detail::grid_start(); i < n; i += detail::grid_step()) {
     int64_t off[1] = {i};
     if (!contiguous) calc.get(i, off);
-    double v;
-    // Evaluated in double exactly as written on the CPU (a + (b - a) * u and
-    // a + b * z), with fma contraction ruled out for bit-identical uniforms.
+    // Note [Random and arange rounding]
     if (kind == RandomKind::Uniform) {
-      double u = static_cast<double>(philox_uniform(offset, seed, i));
-      v = __dadd_rn(a, __dmul_rn(b - a, u));
+      out[off[0]] = cast_to<T>(__fmaf_rn(width, philox_uniform(offset, seed, i), lo));
     } else {
-      v = __dadd_rn(a, __dmul_rn(b, philox_normal(offset, seed, i)));
+      out[off[0]] = cast_to<T>(fma(b, philox_normal(offset, seed, i), a));
     }
-    out[off[0]] = cast_to<T>(v);
   }
 }
 
@@ -72,7 +77,7 @@ __global__ void random_kernel(T* out, RandomKind kind, uint64_t seed, uint64_t o
 
 void copy(const TensorArg& in, const TensorArg& out, void* stream) {
   if (out.numel == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   if (in.dtype == out.dtype && in.contiguous && out.contiguous) {
     TANDEM_CUDA_CHECK(cudaMemcpyAsync(out.data, in.data, out.numel * dtype_size(out.dtype),
                                       cudaMemcpyDeviceToDevice, detail::native(stream)));
@@ -108,7 +113,7 @@ void copy(const TensorArg& in, const TensorArg& out, void* stream) {
 
 void fill(const TensorArg& out, double value, void* stream) {
   if (out.numel == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   const TensorArg* args[1] = {&out};
   auto calc = detail::make_offset_calc(args);
   dispatch_dtype(out.dtype, [&](auto tag) {
@@ -118,7 +123,7 @@ void fill(const TensorArg& out, double value, void* stream) {
     if constexpr (std::is_same_v<T, bool>) {
       v = value != 0.0;
     } else {
-      v = static_cast<T>(value);
+      v = static_cast<T>(static_cast<acc_t<T>>(value));
     }
     fill_kernel<T><<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
         static_cast<T*>(out.data), v, out.numel, out.contiguous, calc);
@@ -128,7 +133,7 @@ void fill(const TensorArg& out, double value, void* stream) {
 
 void arange(const TensorArg& out, double start, double step, void* stream) {
   if (out.numel == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   const TensorArg* args[1] = {&out};
   auto calc = detail::make_offset_calc(args);
   dispatch_dtype(out.dtype, [&](auto tag) {
@@ -143,14 +148,15 @@ void arange(const TensorArg& out, double start, double step, void* stream) {
 void random(const TensorArg& out, RandomKind kind, uint64_t seed, uint64_t offset, double a,
             double b, void* stream) {
   if (out.numel == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   const TensorArg* args[1] = {&out};
   auto calc = detail::make_offset_calc(args);
   dispatch_dtype(out.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     random_kernel<T>
         <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
-            static_cast<T*>(out.data), kind, seed, offset, a, b, out.numel, out.contiguous, calc);
+            static_cast<T*>(out.data), kind, seed, offset, a, b, static_cast<float>(a),
+            static_cast<float>(b - a), out.numel, out.contiguous, calc);
   });
   TANDEM_CUDA_CHECK(cudaGetLastError());
 }

@@ -1,7 +1,7 @@
 // Helpers shared by the CUDA kernels of tensor/cuda/ (one .cu per op family,
 // all declared by TANDEM_DECLARE_KERNELS in tensor/kernels.h).
 //
-// - DeviceGuard: launches go to the device that owns the given stream, whatever
+// - StreamDeviceGuard: launches go to the device that owns the given stream, whatever
 //   the calling thread's current device is (ranks as threads may each drive
 //   their own GPU, and the caching allocator only sets the device on a miss).
 // - Launch shape: grid-stride loops over int64 indices with a capped grid.
@@ -56,18 +56,18 @@ __device__ __forceinline__ int64_t grid_step() {
 }
 
 // Makes the stream's device current for the lifetime of the guard.
-class DeviceGuard {
+class StreamDeviceGuard {
  public:
-  explicit DeviceGuard(void* stream) {
+  explicit StreamDeviceGuard(void* stream) {
     TANDEM_CUDA_CHECK(cudaStreamGetDevice(native(stream), &device_));
     TANDEM_CUDA_CHECK(cudaGetDevice(&previous_));
     if (device_ != previous_) TANDEM_CUDA_CHECK(cudaSetDevice(device_));
   }
-  ~DeviceGuard() {
+  ~StreamDeviceGuard() {
     if (device_ != previous_) (void)cudaSetDevice(previous_);  // destructors never throw
   }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  StreamDeviceGuard(const StreamDeviceGuard&) = delete;
+  StreamDeviceGuard& operator=(const StreamDeviceGuard&) = delete;
   int device() const { return device_; }
 
  private:

@@ -41,7 +41,7 @@ __device__ V unary_apply(UnaryOp op, V x) {
         return V(0.5) * x * (V(1) + detail::d_tanh(k * (x + V(0.044715) * x * x * x)));
       }
       case UnaryOp::Silu:
-        return x * (V(1) / (V(1) + detail::d_exp(-x)));
+        return x / (V(1) + detail::d_exp(-x));
     }
     return x;
   } else {
@@ -82,20 +82,23 @@ __device__ V arith_apply(BinaryOp op, V a, V b) {
     case BinaryOp::Mul:
       return a * b;
     case BinaryOp::Div:
-      return a / b;
+      if constexpr (std::is_floating_point_v<V>) {
+        return a / b;
+      } else {
+        return b == V(0) ? V(0) : V(a / b);  // defined as 0, as on the CPU
+      }
     case BinaryOp::Pow:
       if constexpr (std::is_floating_point_v<V>) {
         return detail::d_pow(a, b);
       } else {
         return int_pow(a, b);
       }
-    // NaN propagates through maximum/minimum, as in PyTorch.
+    // NaN propagates: a NaN `a` is returned as is, a NaN `b` fails both
+    // comparisons. The CPU's formulas, so the results match bit for bit.
     case BinaryOp::Maximum:
-      if (detail::is_nan(a) || detail::is_nan(b)) return a + b;
-      return a < b ? b : a;
+      return detail::is_nan(a) ? a : (a > b ? a : b);
     case BinaryOp::Minimum:
-      if (detail::is_nan(a) || detail::is_nan(b)) return a + b;
-      return b < a ? b : a;
+      return detail::is_nan(a) ? a : (a < b ? a : b);
     default:
       return V(0);  // comparisons are handled by compare_apply
   }
@@ -153,20 +156,14 @@ template <class T, class O>
 __global__ void binary_scalar_kernel(BinaryOp op, const T* a, double s, bool scalar_first, O* out,
                                      int64_t n, bool contiguous, detail::OffsetCalc<1> calc) {
   using V = compute_t<T>;
-  // Integer tensors compare against the exact scalar (lt(x, 2.5) on ints),
-  // while arithmetic stays in the tensor's type.
-  const bool compare_in_double = is_comparison(op) && !std::is_floating_point_v<V>;
+  // The scalar meets the tensor in its compute type; the front end has
+  // promoted integer tensors to f32 for non-integral scalars.
   const V sv = static_cast<V>(s);
   for (int64_t i = detail::grid_start(); i < n; i += detail::grid_step()) {
     int64_t off[1] = {i};
     if (!contiguous) calc.get(i, off);
     V x = load_as<V>(a[off[0]]);
-    if (compare_in_double) {
-      double xd = static_cast<double>(x);
-      out[i] = binary_value<T, O>(op, scalar_first ? s : xd, scalar_first ? xd : s);
-    } else {
-      out[i] = binary_value<T, O>(op, scalar_first ? sv : x, scalar_first ? x : sv);
-    }
+    out[i] = binary_value<T, O>(op, scalar_first ? sv : x, scalar_first ? x : sv);
   }
 }
 
@@ -184,7 +181,7 @@ __global__ void where_kernel(const bool* cond, const U* a, const U* b, U* out, i
 
 void unary(UnaryOp op, const TensorArg& in, const TensorArg& out, void* stream) {
   if (out.numel == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   const TensorArg* args[1] = {&in};
   auto calc = detail::make_offset_calc(args);
   dispatch_dtype(in.dtype, [&](auto tag) {
@@ -199,7 +196,7 @@ void unary(UnaryOp op, const TensorArg& in, const TensorArg& out, void* stream) 
 void binary(BinaryOp op, const TensorArg& a, const TensorArg& b, const TensorArg& out,
             void* stream) {
   if (out.numel == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   const TensorArg* args[2] = {&a, &b};
   auto calc = detail::make_offset_calc(args);
   bool contiguous = a.contiguous && b.contiguous;
@@ -224,7 +221,7 @@ void binary(BinaryOp op, const TensorArg& a, const TensorArg& b, const TensorArg
 void binary_scalar(BinaryOp op, const TensorArg& a, double s, bool scalar_first,
                    const TensorArg& out, void* stream) {
   if (out.numel == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   const TensorArg* args[1] = {&a};
   auto calc = detail::make_offset_calc(args);
   dispatch_dtype(a.dtype, [&](auto tag) {
@@ -248,7 +245,7 @@ void binary_scalar(BinaryOp op, const TensorArg& a, double s, bool scalar_first,
 void where(const TensorArg& cond, const TensorArg& a, const TensorArg& b, const TensorArg& out,
            void* stream) {
   if (out.numel == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   const TensorArg* args[3] = {&cond, &a, &b};
   auto calc = detail::make_offset_calc(args);
   bool contiguous = cond.contiguous && a.contiguous && b.contiguous;

@@ -92,7 +92,7 @@ TypeConfig type_config(DType dtype) {
 
 void gemm(const GemmArgs& args, void* stream) {
   if (args.batch == 0 || args.m == 0 || args.n == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   cublasHandle_t handle = handle_for(guard.device());
   TANDEM_CUBLAS_CHECK(cublasSetStream(handle, detail::native(stream)));
 

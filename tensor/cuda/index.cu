@@ -4,6 +4,12 @@
 // elements, so they are instantiated per element width, not per dtype.
 // scatter_add accumulates with atomics, so its summation order is arbitrary:
 // integer results are exact, float results agree with the CPU to rounding.
+//
+// Index values are data. The CPU kernels check them and throw; a CUDA kernel
+// cannot report without a host synchronisation, and an out-of-bounds access
+// would poison the CUDA context for the whole process. So an index outside
+// [0, n) is never dereferenced: index_select and gather write 0 there,
+// scatter_add skips it, one_hot leaves the row zero.
 #include "tensor/cuda/cuda_common.cuh"
 
 namespace tandem::cuda {
@@ -17,7 +23,7 @@ __global__ void index_select_kernel(const U* in, int64_t n, int64_t inner, const
     int64_t j = (i / inner) % k;
     int64_t o = i / (inner * k);
     int64_t src = static_cast<int64_t>(index[j * index_stride]);
-    out[i] = in[(o * n + src) * inner + t];
+    out[i] = src >= 0 && src < n ? in[(o * n + src) * inner + t] : U(0);
   }
 }
 
@@ -27,7 +33,8 @@ __global__ void gather_kernel(const U* in, int64_t n, int64_t inner, const I* in
   for (int64_t i = detail::grid_start(); i < total; i += detail::grid_step()) {
     int64_t t = i % inner;
     int64_t o = i / (inner * k);
-    out[i] = in[(o * n + static_cast<int64_t>(index[i])) * inner + t];
+    int64_t src = static_cast<int64_t>(index[i]);
+    out[i] = src >= 0 && src < n ? in[(o * n + src) * inner + t] : U(0);
   }
 }
 
@@ -70,7 +77,8 @@ __global__ void scatter_add_kernel(T* out, int64_t n, int64_t inner, const I* in
   for (int64_t i = detail::grid_start(); i < total; i += detail::grid_step()) {
     int64_t t = i % inner;
     int64_t o = i / (inner * k);
-    atomic_add(out + (o * n + static_cast<int64_t>(index[i])) * inner + t, src[i]);
+    int64_t dst = static_cast<int64_t>(index[i]);
+    if (dst >= 0 && dst < n) atomic_add(out + (o * n + dst) * inner + t, src[i]);
   }
 }
 
@@ -88,7 +96,7 @@ void index_select(const TensorArg& in, int64_t outer, int64_t n, int64_t inner,
   int64_t k = index.numel;
   int64_t total = outer * k * inner;
   if (total == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   // The index is 1-D; a strided view of one is read in place.
   int64_t index_stride = index.contiguous || index.ndim == 0 ? 1 : index.strides[index.ndim - 1];
   detail::dispatch_index(index.dtype, "index_select", [&](auto index_tag) {
@@ -108,7 +116,7 @@ void gather(const TensorArg& in, int64_t outer, int64_t n, int64_t inner, const 
             int64_t k, const TensorArg& out, void* stream) {
   int64_t total = outer * k * inner;
   if (total == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   detail::dispatch_index(index.dtype, "gather", [&](auto index_tag) {
     using I = typename decltype(index_tag)::type;
     detail::dispatch_width(in.dtype, [&](auto tag) {
@@ -126,7 +134,7 @@ void scatter_add(const TensorArg& out, int64_t outer, int64_t n, int64_t inner,
                  const TensorArg& index, int64_t k, const TensorArg& src, void* stream) {
   int64_t total = outer * k * inner;
   if (total == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   detail::dispatch_index(index.dtype, "scatter_add", [&](auto index_tag) {
     using I = typename decltype(index_tag)::type;
     dispatch_dtype(out.dtype, [&](auto tag) {
@@ -144,7 +152,7 @@ void one_hot(const TensorArg& indices, int64_t n, int64_t classes, const TensorA
              void* stream) {
   int64_t total = n * classes;
   if (total == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   detail::dispatch_index(indices.dtype, "one_hot", [&](auto index_tag) {
     using I = typename decltype(index_tag)::type;
     one_hot_kernel<I><<<detail::blocks_for(total), detail::kThreads, 0, detail::native(stream)>>>(

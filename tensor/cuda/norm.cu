@@ -41,19 +41,21 @@ __global__ void layer_norm_kernel(const T* x, Param weight, Param bias, double e
                                   int64_t d, T* out, float* mean_out, float* rstd_out) {
   using V = acc_t<T>;
   __shared__ V shared[detail::kThreads];
+  // As on the CPU: multiply by 1/d; an empty row gets mean 0, not NaN.
+  const V inv_d = d > 0 ? V(1) / static_cast<V>(d) : V(0);
   auto add = [](V a, V b) { return a + b; };
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * d;
     V sum = 0;
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x)
       sum += load_as<V>(xr[i]);
-    V mean = detail::block_reduce(sum, shared, add) / static_cast<V>(d);
+    V mean = detail::block_reduce(sum, shared, add) * inv_d;
     V sq = 0;
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
       V c = load_as<V>(xr[i]) - mean;
       sq += c * c;
     }
-    V var = detail::block_reduce(sq, shared, add) / static_cast<V>(d);
+    V var = detail::block_reduce(sq, shared, add) * inv_d;
     V rstd = V(1) / detail::d_sqrt(var + static_cast<V>(eps));
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
       V w = load_param<V>(weight.data, weight.dtype, i, V(1));
@@ -72,6 +74,8 @@ __global__ void rms_norm_kernel(const T* x, Param weight, double eps, int64_t ro
                                 T* out, float* rstd_out) {
   using V = acc_t<T>;
   __shared__ V shared[detail::kThreads];
+  // As on the CPU: multiply by 1/d; an empty row gets mean 0, not NaN.
+  const V inv_d = d > 0 ? V(1) / static_cast<V>(d) : V(0);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * d;
     V sq = 0;
@@ -79,7 +83,7 @@ __global__ void rms_norm_kernel(const T* x, Param weight, double eps, int64_t ro
       V v = load_as<V>(xr[i]);
       sq += v * v;
     }
-    V ms = detail::block_reduce(sq, shared, [](V a, V b) { return a + b; }) / static_cast<V>(d);
+    V ms = detail::block_reduce(sq, shared, [](V a, V b) { return a + b; }) * inv_d;
     V rstd = V(1) / detail::d_sqrt(ms + static_cast<V>(eps));
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
       V w = load_param<V>(weight.data, weight.dtype, i, V(1));
@@ -99,7 +103,7 @@ void layer_norm(const TensorArg& x, const TensorArg& weight, const TensorArg& bi
                 int64_t rows, int64_t d, const TensorArg& out, const TensorArg& mean,
                 const TensorArg& rstd, void* stream) {
   if (rows == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   dispatch_floating(x.dtype, "layer_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
     layer_norm_kernel<T><<<row_blocks(rows), detail::row_threads(d), 0, detail::native(stream)>>>(
@@ -113,7 +117,7 @@ void layer_norm(const TensorArg& x, const TensorArg& weight, const TensorArg& bi
 void rms_norm(const TensorArg& x, const TensorArg& weight, double eps, int64_t rows, int64_t d,
               const TensorArg& out, const TensorArg& rstd, void* stream) {
   if (rows == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   dispatch_floating(x.dtype, "rms_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
     rms_norm_kernel<T><<<row_blocks(rows), detail::row_threads(d), 0, detail::native(stream)>>>(

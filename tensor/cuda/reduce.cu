@@ -41,13 +41,10 @@ struct SumReducer {
   __device__ S add(S s, T x, int64_t) const { return s + load_as<S>(x); }
   __device__ S combine(S a, S b) const { return a + b; }
   __device__ void store(void* out, DType dtype, int64_t o, S s, int64_t r) const {
-    if (!mean) {
-      detail::store_dyn(out, dtype, o, s);
-    } else if constexpr (std::is_floating_point_v<S>) {
-      detail::store_dyn(out, dtype, o, s / static_cast<S>(r));
-    } else {
-      detail::store_dyn(out, dtype, o, static_cast<double>(s) / static_cast<double>(r));
-    }
+    // Mean multiplies by 1/r, as the CPU does (the front end sends only
+    // floating inputs here; integers are converted to f32 first).
+    S scale = mean && r > 0 ? S(1) / static_cast<S>(r) : S(1);
+    detail::store_dyn(out, dtype, o, mean ? s * scale : s);
   }
 };
 
@@ -131,18 +128,23 @@ template <class T, bool kBlock>
 __device__ void softmax_line(const T* in, T* out, int64_t r, int64_t inner, bool log, int lane,
                              int lanes, acc_t<T>* shared) {
   using V = acc_t<T>;
+  // The CPU's formulas: the max skips NaN, an all -inf line uses 0 as its
+  // max, log_softmax subtracts m + log(sum), softmax multiplies by 1/sum.
+  auto larger = [](V a, V b) { return a > b ? a : b; };
   V m = -std::numeric_limits<V>::infinity();
   for (int64_t k = lane; k < r; k += lanes)
-    m = max(m, load_as<V>(in[k * inner]));
-  if constexpr (kBlock) m = detail::block_reduce(m, shared, [](V a, V b) { return max(a, b); });
+    m = larger(load_as<V>(in[k * inner]), m);
+  if constexpr (kBlock) m = detail::block_reduce(m, shared, larger);
+  if (m == -std::numeric_limits<V>::infinity()) m = 0;
   V sum = 0;
   for (int64_t k = lane; k < r; k += lanes)
     sum += detail::d_exp(load_as<V>(in[k * inner]) - m);
   if constexpr (kBlock) sum = detail::block_reduce(sum, shared, [](V a, V b) { return a + b; });
-  V log_sum = detail::d_log(sum);
+  const V shift = m + detail::d_log(sum);
+  const V inv = V(1) / sum;
   for (int64_t k = lane; k < r; k += lanes) {
-    V x = load_as<V>(in[k * inner]) - m;
-    out[k * inner] = T(log ? x - log_sum : detail::d_exp(x) / sum);
+    V x = load_as<V>(in[k * inner]);
+    out[k * inner] = T(log ? x - shift : detail::d_exp(x - m) * inv);
   }
 }
 
@@ -211,7 +213,7 @@ __global__ void cumsum_thread_kernel(const T* in, void* out, DType out_dtype, in
 void reduce(ReduceOp op, const TensorArg& in, int64_t outer, int64_t r, int64_t inner,
             const TensorArg& out, void* stream) {
   if (outer * inner == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   dispatch_dtype(in.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     cudaStream_t s = detail::native(stream);
@@ -237,7 +239,7 @@ void reduce(ReduceOp op, const TensorArg& in, int64_t outer, int64_t r, int64_t 
 void softmax(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, bool log,
              const TensorArg& out, void* stream) {
   if (outer * inner * r == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   dispatch_floating(in.dtype, "softmax", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const T* x = static_cast<const T*>(in.data);
@@ -259,7 +261,7 @@ void softmax(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, bool 
 void cumsum(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, const TensorArg& out,
             void* stream) {
   if (outer * inner * r == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   dispatch_dtype(in.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     const T* x = static_cast<const T*>(in.data);

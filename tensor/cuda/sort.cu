@@ -180,7 +180,7 @@ void sort_rows(const TensorArg& in, int64_t rows, int64_t n, int64_t keep, bool 
 void topk(const TensorArg& in, int64_t rows, int64_t n, int64_t k, bool largest,
           const TensorArg& values, const TensorArg& indices, void* stream) {
   if (rows == 0 || k == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   sort_rows(in, rows, n, k, largest, values.data, static_cast<int64_t*>(indices.data),
             detail::native(stream));
 }
@@ -188,7 +188,7 @@ void topk(const TensorArg& in, int64_t rows, int64_t n, int64_t k, bool largest,
 void argsort(const TensorArg& in, int64_t rows, int64_t n, bool descending,
              const TensorArg& indices, void* stream) {
   if (rows == 0 || n == 0) return;
-  detail::DeviceGuard guard(stream);
+  detail::StreamDeviceGuard guard(stream);
   sort_rows(in, rows, n, n, descending, nullptr, static_cast<int64_t*>(indices.data),
             detail::native(stream));
 }

@@ -341,6 +341,12 @@ TEST_CASE("where selects elementwise with broadcasting", "[elementwise]") {
     bool c = cond[broadcast_linear(i, cond_shape)] != 0;
     expected.push_back(c ? a[broadcast_linear(i, a_shape)] : b[broadcast_linear(i, b_shape)]);
   });
+  {
+    char buf[300];
+    auto r = random_stored(2, 2, DType::F32);
+    snprintf(buf, sizeof buf, "DEBUG a0 %.17g a1 %.17g r0 %.17g c %.17g", a[0], a[1], r[0], cond[0]);
+    INFO(buf);
+  }
   REQUIRE(values_of(out) == expected);
 
   Tensor out_s = ops::where(tc, tensor_of(a, Shape(a_shape), DType::F64), 7.5);

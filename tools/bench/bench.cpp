@@ -39,13 +39,18 @@ int calibrate(const Kernel& kernel, double min_trial_s) {
   }
 }
 
-Timing summarize(std::vector<double> per_call) {
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+Timing summarize(const std::vector<double>& per_call, int reps) {
   Timing t;
+  t.median_s = median(per_call);
+  t.min_s = *std::min_element(per_call.begin(), per_call.end());
+  t.reps = reps;
   t.trials = static_cast<int>(per_call.size());
-  std::sort(per_call.begin(), per_call.end());
-  size_t n = per_call.size();
-  t.median_s = n % 2 == 1 ? per_call[n / 2] : 0.5 * (per_call[n / 2 - 1] + per_call[n / 2]);
-  t.min_s = per_call.front();
   return t;
 }
 
@@ -62,8 +67,8 @@ std::string format_speed(const Row& row, double seconds) {
 
 constexpr const char* kTableFormat = "{:<12} {:<20} {:<7} {:>4}  {:>15} {:>15}  {:>6} {:>7}  {}\n";
 
-nlohmann::json row_json(const Row& row) {
-  nlohmann::json j = {
+nlohmann::ordered_json row_json(const Row& row) {
+  nlohmann::ordered_json j = {
       {"group", row.group},     {"name", row.name},         {"device", row.device},
       {"threads", row.threads}, {"baseline", row.baseline}, {"target", row.target},
   };
@@ -98,8 +103,8 @@ nlohmann::json row_json(const Row& row) {
 TimingConfig timing_config(const Options& options) {
   TimingConfig config;
   if (options.quick) {
-    config.trials = 5;
-    config.min_trial_s = 0.02;
+    config.trials = 7;
+    config.min_trial_s = 0.01;
   }
   return config;
 }
@@ -120,10 +125,10 @@ PairTiming time_interleaved(const Kernel& tandem, const Kernel& baseline,
       run_tandem();
     }
   }
-  PairTiming result{summarize(t), summarize(b)};
-  result.tandem.reps = tandem_reps;
-  result.baseline.reps = baseline_reps;
-  return result;
+  std::vector<double> ratios(t.size());
+  for (size_t i = 0; i < t.size(); ++i)
+    ratios[i] = b[i] / t[i];
+  return {summarize(t, tandem_reps), summarize(b, baseline_reps), median(ratios)};
 }
 
 std::string compare(const std::vector<float>& got, const std::vector<float>& want, double rtol,
@@ -148,11 +153,6 @@ std::string compare(const std::vector<float>& got, const std::vector<float>& wan
       want[worst], worst, got[worst], rtol, atol);
 }
 
-double Row::ratio() const {
-  if (!error.empty() || timing.tandem.median_s <= 0) return 0;
-  return timing.baseline.median_s / timing.tandem.median_s;
-}
-
 Report::Report(std::string benchmark, const Options& options, const TimingConfig& config)
     : benchmark_(std::move(benchmark)), options_(options) {
   json_ = {
@@ -160,17 +160,23 @@ Report::Report(std::string benchmark, const Options& options, const TimingConfig
       {"quick", options.quick},
       {"hardware_threads", std::thread::hardware_concurrency()},
       {"timing",
-       {{"statistic", "median"},
+       {{"statistic", "median of the ratios of adjacent trials; times: median per call"},
         {"trials", config.trials},
         {"min_trial_ms", config.min_trial_s * 1e3},
         {"order", "interleaved, alternating which side goes first"}}},
       {"ratio", "baseline time / tandem time (> 1: tandem faster)"},
-      {"rows", nlohmann::json::array()},
+      {"rows", nlohmann::ordered_json::array()},
   };
   note(fmt::format("tandem-bench {}{}: ratio = baseline time / tandem time (> 1: tandem faster)",
                    benchmark_, options.quick ? " --quick" : ""));
-  note(fmt::format("timing: median of {} interleaved trials per side, each >= {:.0f} ms",
-                   config.trials, config.min_trial_s * 1e3));
+  note(
+      fmt::format("timing: {} interleaved trials per side, each >= {:.0f} ms; ratio = median of "
+                  "the ratios of adjacent trials, times = median per call",
+                  config.trials, config.min_trial_s * 1e3));
+}
+
+bool Report::wants(const Row& row) const {
+  return (row.group + " " + row.name).find(options_.filter) != std::string::npos;
 }
 
 void Report::note(const std::string& line) {
@@ -202,7 +208,7 @@ void Report::add(Row row) {
   rows_.push_back(std::move(row));
 }
 
-void Report::set(const std::string& key, nlohmann::json value, const std::string& text) {
+void Report::set(const std::string& key, nlohmann::ordered_json value, const std::string& text) {
   json_[key] = std::move(value);
   note(text);
 }

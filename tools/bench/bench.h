@@ -8,11 +8,13 @@
 // percent from one second to the next. Every figure is therefore a ratio
 // against a baseline measured in the same run, and the two sides are measured
 // the same way, alternately: after a warm-up, each side gets a repetition count
-// that makes one trial last at least `min_trial_s`; then trials run
-// tandem, baseline, baseline, tandem, tandem, … (the side that goes first
-// alternates, so neither always inherits the caches or clock state the other
-// left) and each side's per-call time is the median of its trials. A burst of
-// noise lands in one trial of one side and the median drops it.
+// that makes one trial last at least `min_trial_s`; then trial i of one side
+// runs right next to trial i of the other (tandem, baseline, baseline, tandem,
+// … — the side that goes first alternates, so neither always inherits the
+// caches or clock state the other left). The ratio of a row is the median over
+// i of the ratio of those adjacent trials, so a slow drift of the machine
+// cancels within each pair and a burst of noise spoils one pair that the
+// median drops. Shown times are the median per-call time of each side.
 #pragma once
 
 #include <cstdint>
@@ -27,11 +29,12 @@ namespace tandem::bench {
 struct Options {
   bool json = false;   // one JSON object on stdout instead of the table
   bool quick = false;  // fewer and shorter trials (a smoke run)
+  std::string filter;  // run only rows whose "group name" contains this
 };
 
 struct TimingConfig {
-  int trials = 11;            // per side
-  double min_trial_s = 0.04;  // one trial lasts at least this long
+  int trials = 21;            // per side
+  double min_trial_s = 0.02;  // one trial lasts at least this long
 };
 TimingConfig timing_config(const Options& options);
 
@@ -48,6 +51,7 @@ struct Timing {
 struct PairTiming {
   Timing tandem;
   Timing baseline;
+  double ratio = 0;  // median over trials of baseline_i / tandem_i
 };
 // Note [Benchmark timing].
 PairTiming time_interleaved(const Kernel& tandem, const Kernel& baseline,
@@ -70,8 +74,8 @@ struct Row {
   PairTiming timing;
   std::string error;  // set when the row could not be measured
 
-  // baseline time / tandem time: > 1 means tandem is faster.
-  double ratio() const;
+  // baseline time / tandem time (PairTiming::ratio): > 1 means tandem is faster.
+  double ratio() const { return error.empty() ? timing.ratio : 0; }
   bool passed() const { return error.empty() && ratio() >= target; }
 };
 
@@ -81,11 +85,13 @@ class Report {
  public:
   Report(std::string benchmark, const Options& options, const TimingConfig& config);
 
+  // Whether `row` passes Options::filter (checked before measuring it).
+  bool wants(const Row& row) const;
   // A line of text above the table rows (table mode only).
   void note(const std::string& line);
   void add(Row row);
   // A top-level JSON field (e.g. "memory"); `text` is what the table shows.
-  void set(const std::string& key, nlohmann::json value, const std::string& text);
+  void set(const std::string& key, nlohmann::ordered_json value, const std::string& text);
 
   // Exit status: 0 when every row ran (missed targets included), 1 when a row
   // failed with an error.
@@ -94,7 +100,7 @@ class Report {
  private:
   std::string benchmark_;
   Options options_;
-  nlohmann::json json_;
+  nlohmann::ordered_json json_;
   std::vector<Row> rows_;
   bool header_printed_ = false;
 };

@@ -19,6 +19,8 @@ int main(int argc, char** argv) {
       "tensor", "matmul against OpenBLAS/cuBLAS, elementwise ops against plain loops");
   tensor->add_flag("--json", options.json, "print one JSON object instead of the table");
   tensor->add_flag("--quick", options.quick, "fewer, shorter trials (a smoke run)");
+  tensor->add_option("--filter", options.filter,
+                     "run only the rows whose \"group case\" contains this text, e.g. \"exp 16M\"");
 
   CLI11_PARSE(app, argc, argv);
 

@@ -1,0 +1,274 @@
+#include "autograd/module.h"
+
+#include <atomic>
+
+#include "autograd/function.h"
+#include "runtime/error.h"
+#include "tensor/ops.h"
+
+namespace tandem {
+namespace {
+
+std::atomic<int> next_hook_id{1};
+
+// Identity over several tensors whose backward passes the gradients through a
+// module's backward (pre-)hooks. The module is kept alive by the node.
+struct ModuleHookFunction final : Function {
+  std::shared_ptr<Module> keep;  // null when the module is not owned by a shared_ptr
+  Module* module = nullptr;
+  std::function<std::optional<std::vector<Tensor>>(Module&, const std::vector<Tensor>&)> call;
+  const char* node_name = "ModuleHookBackward";
+
+  const char* name() const override { return node_name; }
+  bool accepts_undefined_grads() const override { return true; }
+  std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& inputs) override {
+    return inputs;
+  }
+  std::vector<Tensor> backward(FunctionCtx&, const std::vector<Tensor>& grads) override {
+    std::optional<std::vector<Tensor>> replaced = call(*module, grads);
+    if (!replaced) return grads;
+    TANDEM_CHECK(replaced->size() == grads.size(),
+                 "[nn::{}] expected a backward hook to return {} gradients, got {}",
+                 module->type_name(), grads.size(), replaced->size());
+    return *replaced;
+  }
+};
+
+template <class Hooks>
+std::vector<Tensor> through_hooks(Module& m, const char* node_name, Hooks& hooks,
+                                  const std::vector<Tensor>& tensors) {
+  auto fn = std::make_shared<ModuleHookFunction>();
+  fn->keep = m.weak_from_this().lock();
+  fn->module = &m;
+  fn->node_name = node_name;
+  fn->call = [&hooks](Module& mod, const std::vector<Tensor>& grads) {
+    std::vector<Tensor> g = grads;
+    bool changed = false;
+    for (auto& [id, hook] : hooks) {
+      if (auto r = hook(mod, g)) {
+        g = std::move(*r);
+        changed = true;
+      }
+    }
+    return changed ? std::optional<std::vector<Tensor>>(std::move(g)) : std::nullopt;
+  };
+  return Function::apply(fn, tensors);
+}
+
+}  // namespace
+
+void HookHandle::remove() {
+  if (auto m = module_.lock()) m->remove_hook(id_);
+  id_ = 0;
+}
+
+bool HookHandle::active() const { return id_ != 0 && !module_.expired(); }
+
+std::vector<Tensor> Module::call(Args args) {
+  for (auto& [id, hook] : pre_hooks_) {
+    if (auto replaced = hook(*this, args)) args = std::move(*replaced);
+  }
+  if (!backward_hooks_.empty() && grad_mode_enabled() && any_requires_grad(args.positional)) {
+    std::vector<size_t> index;
+    std::vector<Tensor> wrapped;
+    for (size_t i = 0; i < args.positional.size(); ++i) {
+      if (args.positional[i].defined() && requires_grad(args.positional[i])) {
+        index.push_back(i);
+        wrapped.push_back(args.positional[i]);
+      }
+    }
+    wrapped = through_hooks(*this, "ModuleBackwardHook", backward_hooks_, wrapped);
+    for (size_t j = 0; j < index.size(); ++j) args.positional[index[j]] = wrapped[j];
+  }
+  std::vector<Tensor> outputs = forward(args);
+  for (auto& [id, hook] : hooks_) {
+    if (auto replaced = hook(*this, args, outputs)) outputs = std::move(*replaced);
+  }
+  if (!backward_pre_hooks_.empty() && grad_mode_enabled() && any_requires_grad(outputs)) {
+    outputs = through_hooks(*this, "ModuleBackwardPreHook", backward_pre_hooks_, outputs);
+  }
+  return outputs;
+}
+
+Tensor Module::operator()(const Tensor& x) {
+  std::vector<Tensor> out = call(Args{x});
+  TANDEM_CHECK(!out.empty(), "[nn::{}] expected forward to return at least one tensor, got none",
+               type_name_);
+  return out[0];
+}
+
+void Module::register_parameter(const std::string& name, Tensor* tensor) {
+  TANDEM_CHECK(tensor != nullptr && tensor->defined(),
+               "[nn::{}] expected a defined tensor for parameter '{}'", type_name_, name);
+  for (auto& [n, t] : params_) {
+    TANDEM_CHECK(n != name, "[nn::{}] expected a new parameter name, got '{}' twice", type_name_,
+                 name);
+  }
+  set_requires_grad(*tensor, true);
+  params_.emplace_back(name, tensor);
+}
+
+void Module::register_buffer(const std::string& name, Tensor* tensor) {
+  TANDEM_CHECK(tensor != nullptr && tensor->defined(),
+               "[nn::{}] expected a defined tensor for buffer '{}'", type_name_, name);
+  buffers_.emplace_back(name, tensor);
+}
+
+void Module::collect(const std::string& prefix, bool params,
+                     std::vector<std::pair<std::string, Tensor*>>& out) const {
+  for (const auto& [name, t] : params ? params_ : buffers_) out.emplace_back(prefix + name, t);
+  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", params, out);
+}
+
+std::vector<std::pair<std::string, Tensor>> Module::named_parameters() const {
+  std::vector<std::pair<std::string, Tensor*>> found;
+  collect("", true, found);
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (auto& [n, t] : found) out.emplace_back(n, *t);
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor>> Module::named_buffers() const {
+  std::vector<std::pair<std::string, Tensor*>> found;
+  collect("", false, found);
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (auto& [n, t] : found) out.emplace_back(n, *t);
+  return out;
+}
+
+std::vector<Tensor> Module::parameters() const {
+  std::vector<Tensor> out;
+  for (auto& [n, t] : named_parameters()) out.push_back(t);
+  return out;
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::named_children() const {
+  return children_;
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::named_modules() {
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> out;
+  out.emplace_back("", shared_from_this());
+  for (auto& [name, child] : children_) {
+    for (auto& [sub, m] : child->named_modules()) {
+      out.emplace_back(sub.empty() ? name : name + "." + sub, m);
+    }
+  }
+  return out;
+}
+
+int64_t Module::num_parameters() const {
+  int64_t n = 0;
+  for (const Tensor& p : parameters()) n += p.numel();
+  return n;
+}
+
+std::map<std::string, Tensor> Module::state_dict() const {
+  std::map<std::string, Tensor> out;
+  for (auto& [n, t] : named_parameters()) out[n] = detach(t);
+  for (auto& [n, t] : named_buffers()) out[n] = detach(t);
+  return out;
+}
+
+void Module::load_state_dict(const std::map<std::string, Tensor>& state, bool strict) {
+  std::vector<std::pair<std::string, Tensor*>> mine;
+  collect("", true, mine);
+  collect("", false, mine);
+  std::map<std::string, Tensor*> by_name(mine.begin(), mine.end());
+  // Check everything before copying anything, so a bad dict changes nothing.
+  for (const auto& [name, src] : state) {
+    auto it = by_name.find(name);
+    TANDEM_CHECK(it != by_name.end() || !strict,
+                 "[nn::load_state_dict] expected keys of {}, got unexpected key '{}'", type_name_,
+                 name);
+    if (it == by_name.end()) continue;
+    TANDEM_CHECK(src.shape() == it->second->shape(),
+                 "[nn::load_state_dict] expected '{}' of shape {}, got {}", name,
+                 it->second->shape(), src.shape());
+  }
+  if (strict) {
+    for (const auto& [name, t] : mine) {
+      TANDEM_CHECK(state.count(name) == 1, "[nn::load_state_dict] expected key '{}', got none",
+                   name);
+    }
+  }
+  NoGradGuard no_grad;
+  for (const auto& [name, src] : state) {
+    auto it = by_name.find(name);
+    if (it != by_name.end()) ops::copy_(*it->second, src);
+  }
+}
+
+void Module::to(Device device) {
+  std::vector<std::pair<std::string, Tensor*>> all;
+  collect("", true, all);
+  collect("", false, all);
+  for (auto& [name, t] : all) {
+    bool rg = requires_grad(*t);
+    Tensor moved = ops::to(detach(*t), device);
+    if (moved.storage() == t->storage()) continue;
+    *t = moved;
+    if (rg) set_requires_grad(*t, true);
+  }
+}
+
+void Module::to(DType dtype) {
+  std::vector<std::pair<std::string, Tensor*>> all;
+  collect("", true, all);
+  collect("", false, all);
+  for (auto& [name, t] : all) {
+    if (!is_floating(t->dtype()) || t->dtype() == dtype) continue;
+    bool rg = requires_grad(*t);
+    *t = ops::to(detach(*t), dtype);
+    if (rg) set_requires_grad(*t, true);
+  }
+}
+
+void Module::train(bool on) {
+  training_ = on;
+  for (auto& [name, child] : children_) child->train(on);
+}
+
+void Module::zero_grad() {
+  for (const Tensor& p : parameters()) tandem::zero_grad(p);
+}
+
+HookHandle Module::register_forward_pre_hook(ForwardPreHook hook) {
+  int id = next_hook_id++;
+  pre_hooks_.emplace_back(id, std::move(hook));
+  return HookHandle(weak_from_this(), id);
+}
+
+HookHandle Module::register_forward_hook(ForwardHook hook) {
+  int id = next_hook_id++;
+  hooks_.emplace_back(id, std::move(hook));
+  return HookHandle(weak_from_this(), id);
+}
+
+HookHandle Module::register_full_backward_pre_hook(BackwardPreHook hook) {
+  int id = next_hook_id++;
+  backward_pre_hooks_.emplace_back(id, std::move(hook));
+  return HookHandle(weak_from_this(), id);
+}
+
+HookHandle Module::register_full_backward_hook(BackwardHook hook) {
+  int id = next_hook_id++;
+  backward_hooks_.emplace_back(id, std::move(hook));
+  return HookHandle(weak_from_this(), id);
+}
+
+bool Module::remove_hook(int id) {
+  auto erase = [id](auto& list) {
+    for (auto it = list.begin(); it != list.end(); ++it) {
+      if (it->first == id) {
+        list.erase(it);
+        return true;
+      }
+    }
+    return false;
+  };
+  return erase(pre_hooks_) || erase(hooks_) || erase(backward_pre_hooks_) ||
+         erase(backward_hooks_);
+}
+
+}  // namespace tandem

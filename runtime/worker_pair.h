@@ -1,0 +1,50 @@
+// The forward/backward worker pair of the dual-pipe schedule (DESIGN §2, §8).
+//
+// run(fwd, bwd) runs `fwd` on the forward worker and `bwd` on the backward
+// worker at the same time, each on its own stream, and returns when both are
+// done. If either throws, `on_failure` (e.g. HookCoordinator::disable) is
+// called at once so the other side is released from any rendezvous, and the
+// first exception is rethrown on the caller after both have stopped. Waits are
+// bounded (Note [Bounded waits]).
+//
+// Stream ordering between the pair: activations saved by the forward of
+// micro-batch i are consumed by the backward of micro-batch i in a *later*
+// run(). At the end of each run the forward stream's position is recorded in
+// an event that the backward stream waits on before the next bwd runs (Note
+// [Stream ordering]); on CUDA the caching allocator keeps the blocks alive
+// across the two streams (record_stream in the op dispatch).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "runtime/stream.h"
+#include "runtime/worker.h"
+
+namespace tandem {
+
+class WorkerPair {
+ public:
+  explicit WorkerPair(Device device = Device::cpu());
+  WorkerPair(const WorkerPair&) = delete;
+  WorkerPair& operator=(const WorkerPair&) = delete;
+
+  // Either function may be empty (the schedule's first forward, last backward).
+  void run(const std::function<void()>& fwd, const std::function<void()>& bwd,
+           const std::function<void()>& on_failure = {});
+
+  Worker& forward_worker() { return forward_; }
+  Worker& backward_worker() { return backward_; }
+
+ private:
+  Worker forward_;
+  Worker backward_;
+  Event forward_done_;
+};
+
+// One-shot convenience: a fresh pair runs fwd ‖ bwd once.
+void run_pair(const std::function<void()>& fwd, const std::function<void()>& bwd,
+              const std::function<void()>& on_failure = {});
+
+}  // namespace tandem
