@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 
 #include "tensor/dispatch.h"
 #include "tensor/ops.h"
@@ -43,10 +44,18 @@ MatrixOperand as_matrix(const Tensor& t) {
 
 std::atomic<int> blas_threads{1};
 
+// OpenBLAS starts with one thread per core; tandem's documented default is 1
+// (Note [BLAS threads] in tensor/meson.build), applied before the first product.
+void apply_default_threads() {
+  static std::once_flag once;
+  std::call_once(once, [] { openblas_set_num_threads(blas_threads.load()); });
+}
+
 }  // namespace
 
 void set_num_threads(int n) {
   TANDEM_CHECK(n >= 1, "[tensor::set_num_threads] expected n >= 1, got {}", n);
+  apply_default_threads();
   blas_threads = n;
   openblas_set_num_threads(n);
 }
@@ -54,6 +63,7 @@ void set_num_threads(int n) {
 int num_threads() { return blas_threads.load(); }
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
+  apply_default_threads();
   TANDEM_CHECK(a_in.defined() && b_in.defined(), "[tensor::matmul] expected defined tensors");
   TANDEM_CHECK(a_in.dim() >= 1 && b_in.dim() >= 1,
                "[tensor::matmul] expected operands of rank >= 1, got {} and {}", a_in.shape(),

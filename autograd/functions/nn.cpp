@@ -39,6 +39,7 @@ struct LayerNormBackward final : Node {
   TANDEM_NODE_NAME(LayerNormBackward)
   Tensor x, weight, mean, rstd;  // mean/rstd: (rows) f32
   bool has_bias = false;
+  DType bias_dtype = DType::F32;
   std::vector<Tensor> apply(std::vector<Tensor>& g) override {
     const int64_t d = x.shape().back();
     Tensor x2 = ops::to(row_view(x, d), DType::F32);
@@ -54,7 +55,7 @@ struct LayerNormBackward final : Node {
     if (weight.defined() && needs_grad(1)) {
       out[1] = ops::to(ops::sum(ops::mul(g2, xhat), Dims{0}), weight.dtype());
     }
-    if (has_bias && needs_grad(2)) out[2] = ops::to(ops::sum(g2, Dims{0}), weight.dtype());
+    if (has_bias && needs_grad(2)) out[2] = ops::to(ops::sum(g2, Dims{0}), bias_dtype);
     return out;
   }
   void release_saved() override { x = weight = mean = rstd = Tensor(); }
@@ -208,6 +209,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
     node->mean = r.mean;
     node->rstd = r.rstd;
     node->has_bias = bias.defined();
+    if (bias.defined()) node->bias_dtype = bias.dtype();
   }
   return out;
 }

@@ -2,6 +2,7 @@
 // Sums accumulate in acc_t (double for f64, float otherwise) with eight
 // independent lanes when inner == 1, which both vectorises and bounds the
 // rounding error growth on long rows.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -97,22 +98,36 @@ void softmax(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, bool 
         const T* p = x + o * r * inner + i;
         T* q = y + o * r * inner + i;
         A m = -std::numeric_limits<A>::infinity();
-        for (int64_t j = 0; j < r; ++j) {
-          A v = A(p[j * inner]);
-          m = v > m ? v : m;
-        }
+        for (int64_t j = 0; j < r; ++j) m = std::max(m, A(p[j * inner]));
         if (m == -std::numeric_limits<A>::infinity()) m = 0;  // all -inf: avoid inf - inf
         A s = 0;
         if (log) {
           for (int64_t j = 0; j < r; ++j) s += std::exp(A(p[j * inner]) - m);
           const A shift = m + std::log(s);
           for (int64_t j = 0; j < r; ++j) q[j * inner] = static_cast<T>(A(p[j * inner]) - shift);
+        } else if constexpr (std::is_same_v<T, A>) {
+          // The exponentials go straight into the output, then one scaling pass.
+          if (inner == 1) {
+            for (int64_t j = 0; j < r; ++j) {
+              q[j] = std::exp(p[j] - m);
+              s += q[j];
+            }
+            const A inv = s > A(0) ? A(1) / s : A(0);  // a fully masked row gives zeros
+            for (int64_t j = 0; j < r; ++j) q[j] *= inv;
+          } else {
+            for (int64_t j = 0; j < r; ++j) {
+              q[j * inner] = std::exp(p[j * inner] - m);
+              s += q[j * inner];
+            }
+            const A inv = s > A(0) ? A(1) / s : A(0);  // a fully masked row gives zeros
+            for (int64_t j = 0; j < r; ++j) q[j * inner] *= inv;
+          }
         } else {
           for (int64_t j = 0; j < r; ++j) {
             buf[j] = std::exp(A(p[j * inner]) - m);
             s += buf[j];
           }
-          const A inv = A(1) / s;
+          const A inv = s > A(0) ? A(1) / s : A(0);  // a fully masked row gives zeros
           for (int64_t j = 0; j < r; ++j) q[j * inner] = static_cast<T>(buf[j] * inv);
         }
       }

@@ -106,7 +106,7 @@ TEST_CASE("a consumer stream that waits on an event sees the producer's result",
   }
   std::vector<double> expected;
   for (size_t i = 0; i < av.size(); ++i) {
-    expected.push_back(2.0 * static_cast<float>(av[i] + bv[i]));
+    expected.push_back(2.0 * stored_value(DType::F32, av[i] + bv[i]));
   }
   REQUIRE(got == expected);
 

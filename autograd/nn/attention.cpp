@@ -1,0 +1,89 @@
+#include "autograd/nn/attention.h"
+
+#include "autograd/ops.h"
+#include "runtime/error.h"
+
+namespace tandem::nn {
+namespace {
+
+// args.named[name] when present, else args.positional[index].
+Tensor qkv_argument(Args& args, const char* name, size_t index) {
+  if (Tensor* t = args.find(name)) {
+    TANDEM_CHECK(t->defined(), "[nn::CoreAttention] expected a defined tensor for named '{}'",
+                 name);
+    return *t;
+  }
+  Tensor* t = args.at(index);
+  TANDEM_CHECK(t != nullptr && t->defined(),
+               "[nn::CoreAttention] expected '{}' as named argument or positional {}, got {} "
+               "positional and no '{}'",
+               name, index, args.positional.size(), name);
+  return *t;
+}
+
+int64_t offset_argument(const Tensor& t, const char* name) {
+  TANDEM_CHECK(t.numel() == 1 && !is_floating(t.dtype()) && t.dtype() != DType::Bool,
+               "[nn::CoreAttention] expected '{}' as a one-element integer tensor, got {} {}", name,
+               dtype_name(t.dtype()), t.shape());
+  return static_cast<int64_t>(t.item_double());
+}
+
+}  // namespace
+
+CoreAttention::CoreAttention(const AttentionOptions& options)
+    : Module("CoreAttention"), options_(options) {}
+
+std::vector<Tensor> CoreAttention::forward(Args& args) {
+  const Tensor q = qkv_argument(args, "q", 0);
+  const Tensor k = qkv_argument(args, "k", 1);
+  const Tensor v = qkv_argument(args, "v", 2);
+  TANDEM_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+               "[nn::CoreAttention] expected (B, S, H, D) q, k and v, got q={}, k={}, v={}",
+               q.shape(), k.shape(), v.shape());
+  AttentionOptions options = options_;
+  if (Tensor* t = args.find("q_offset")) options.q_offset = offset_argument(*t, "q_offset");
+  if (Tensor* t = args.find("k_offset")) options.k_offset = offset_argument(*t, "k_offset");
+  // BSHD → BHSD views; the kernel front end makes them contiguous.
+  AttentionResult r = scaled_dot_product_attention(transpose(q, 1, 2), transpose(k, 1, 2),
+                                                   transpose(v, 1, 2), options);
+  return {contiguous(transpose(r.out, 1, 2))};
+}
+
+SelfAttention::SelfAttention(int64_t d_model, int64_t n_heads, int64_t n_kv_heads, bool causal,
+                             Generator& gen)
+    : Module("SelfAttention"), d_model_(d_model), n_heads_(n_heads), n_kv_heads_(n_kv_heads) {
+  TANDEM_CHECK(n_heads > 0 && d_model % n_heads == 0,
+               "[nn::SelfAttention] expected d_model divisible by n_heads, got d_model={}, "
+               "n_heads={}",
+               d_model, n_heads);
+  TANDEM_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+               "[nn::SelfAttention] expected n_heads divisible by n_kv_heads, got n_heads={}, "
+               "n_kv_heads={}",
+               n_heads, n_kv_heads);
+  head_dim_ = d_model / n_heads;
+  q_proj_ =
+      register_module("q_proj", std::make_shared<Linear>(d_model, n_heads * head_dim_, gen, false));
+  k_proj_ = register_module("k_proj",
+                            std::make_shared<Linear>(d_model, n_kv_heads * head_dim_, gen, false));
+  v_proj_ = register_module("v_proj",
+                            std::make_shared<Linear>(d_model, n_kv_heads * head_dim_, gen, false));
+  o_proj_ =
+      register_module("o_proj", std::make_shared<Linear>(n_heads * head_dim_, d_model, gen, false));
+  AttentionOptions options;
+  options.causal = causal;
+  core_ = register_module("core", std::make_shared<CoreAttention>(options));
+}
+
+std::vector<Tensor> SelfAttention::forward(Args& args) {
+  const Tensor& x = single_input(args, "SelfAttention");
+  TANDEM_CHECK(x.dim() == 3 && x.shape()[2] == d_model_,
+               "[nn::SelfAttention] expected x of shape (B, S, {}), got {}", d_model_, x.shape());
+  const int64_t B = x.shape()[0], S = x.shape()[1];
+  Tensor q = reshape((*q_proj_)(x), Shape{B, S, n_heads_, head_dim_});
+  Tensor k = reshape((*k_proj_)(x), Shape{B, S, n_kv_heads_, head_dim_});
+  Tensor v = reshape((*v_proj_)(x), Shape{B, S, n_kv_heads_, head_dim_});
+  Tensor attn = (*core_).call(Args{q, k, v})[0];  // (B, S, Hq, Dh)
+  return {(*o_proj_)(reshape(attn, Shape{B, S, n_heads_ * head_dim_}))};
+}
+
+}  // namespace tandem::nn

@@ -1,0 +1,78 @@
+// Attention layers. CoreAttention is the softmax(QK^T)V step alone, as its
+// own module, because context parallelism (DESIGN §7) hooks exactly this step:
+// its pre-hook redistributes Q/K/V (all-to-all over heads, all-gather of K/V
+// along the sequence) and its forward hook redistributes the output.
+// SelfAttention wraps it with separate q/k/v/o projection modules, which the
+// async variant of context parallelism hooks to overlap its collectives with
+// the projection GEMMs.
+//
+// Layout: modules exchange (B, S, H, D) tensors (BSHD); the attention kernel
+// wants (B, H, S, D), so CoreAttention transposes in and out.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "autograd/module.h"
+#include "autograd/nn/linear.h"
+#include "tensor/ops.h"
+
+namespace tandem::nn {
+
+// Arguments: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D) with Hq % Hkv == 0
+// (grouped-query heads), each taken from args.named ("q", "k", "v") when
+// present, else from args.positional[0], [1], [2]. So a hook may pass them
+// either way. Output: {(B, Sq, Hq, D)}, contiguous.
+//
+// Causal masking uses global positions: query i sits at q_offset + i and key j
+// at k_offset + j (AttentionOptions). The offsets come from options() (fixed
+// per module, e.g. a rank's static shard) and may be overridden per call by
+// named arguments "q_offset" / "k_offset": one-element integer tensors, read
+// on the host (keep them on the CPU to avoid a device synchronisation).
+class CoreAttention final : public Module {
+ public:
+  explicit CoreAttention(const AttentionOptions& options = {});
+
+  const AttentionOptions& options() const { return options_; }
+  // Not synchronised with a concurrent forward: configure before running.
+  void set_options(const AttentionOptions& options) { options_ = options; }
+
+ protected:
+  std::vector<Tensor> forward(Args& args) override;
+
+ private:
+  AttentionOptions options_;
+};
+
+// Multi-head self-attention with grouped-query heads: x (B, S, d_model) →
+// q_proj/k_proj/v_proj (bias-free Linears) reshaped to (B, S, H, Dh) with
+// Dh = d_model / n_heads → core → (B, S, n_heads * Dh) → o_proj → (B, S, d_model).
+class SelfAttention final : public Module {
+ public:
+  SelfAttention(int64_t d_model, int64_t n_heads, int64_t n_kv_heads, bool causal, Generator& gen);
+
+  int64_t n_heads() const { return n_heads_; }
+  int64_t n_kv_heads() const { return n_kv_heads_; }
+  int64_t head_dim() const { return head_dim_; }
+  const std::shared_ptr<Linear>& q_proj() const { return q_proj_; }
+  const std::shared_ptr<Linear>& k_proj() const { return k_proj_; }
+  const std::shared_ptr<Linear>& v_proj() const { return v_proj_; }
+  const std::shared_ptr<Linear>& o_proj() const { return o_proj_; }
+  const std::shared_ptr<CoreAttention>& core() const { return core_; }
+
+ protected:
+  std::vector<Tensor> forward(Args& args) override;
+
+ private:
+  int64_t d_model_;
+  int64_t n_heads_;
+  int64_t n_kv_heads_;
+  int64_t head_dim_;
+  std::shared_ptr<Linear> q_proj_;
+  std::shared_ptr<Linear> k_proj_;
+  std::shared_ptr<Linear> v_proj_;
+  std::shared_ptr<Linear> o_proj_;
+  std::shared_ptr<CoreAttention> core_;
+};
+
+}  // namespace tandem::nn

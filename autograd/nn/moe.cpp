@@ -1,0 +1,132 @@
+#include "autograd/nn/moe.h"
+
+#include "autograd/ops.h"
+#include "runtime/error.h"
+
+namespace tandem::nn {
+
+MoERouting route(const Tensor& logits, int64_t top_k) {
+  TANDEM_CHECK(logits.dim() == 2 && top_k >= 1 && top_k <= logits.shape()[1],
+               "[nn::moe_route] expected logits (T, E) and 1 <= top_k <= E, got {} and top_k={}",
+               logits.shape(), top_k);
+  MoERouting r;
+  r.probs = softmax(logits, -1);
+  auto [values, indices] = topk(r.probs, top_k, -1);
+  r.weights = div(values, sum(values, Dims{-1}, true));
+  r.indices = indices;
+  return r;
+}
+
+MoEDispatchPlan plan_dispatch(const Tensor& expert_indices, int64_t num_experts) {
+  TANDEM_CHECK(expert_indices.dim() == 2 && !is_floating(expert_indices.dtype()) &&
+                   expert_indices.dtype() != DType::Bool,
+               "[nn::plan_dispatch] expected integer expert indices (T, k), got {} {}",
+               dtype_name(expert_indices.dtype()), expert_indices.shape());
+  MoEDispatchPlan plan;
+  plan.num_tokens = expert_indices.shape()[0];
+  plan.top_k = expert_indices.shape()[1];
+  plan.num_experts = num_experts;
+  const int64_t n = plan.num_tokens * plan.top_k;
+  const Device dev = expert_indices.device();
+  Tensor flat = ops::reshape(ops::to(expert_indices, DType::I64), Shape{n});
+
+  plan.counts.assign(static_cast<size_t>(num_experts), 0);
+  for (int64_t e : flat.to_vector<int64_t>()) {
+    TANDEM_CHECK(e >= 0 && e < num_experts,
+                 "[nn::plan_dispatch] expected expert indices in [0, {}), got {}", num_experts, e);
+    ++plan.counts[static_cast<size_t>(e)];
+  }
+  // Stable: rows of one expert keep token order, so the plan is deterministic.
+  plan.order = ops::argsort(flat, 0);
+  plan.inverse = ops::argsort(plan.order, 0);
+  // Token of assignment a is a / k: [0,0,…,1,1,…] (k each), gathered by order.
+  Tensor token_of_assignment = ops::reshape(
+      ops::expand(ops::unsqueeze(
+                      ops::arange(0, static_cast<double>(plan.num_tokens), 1, DType::I64, dev), 1),
+                  Shape{plan.num_tokens, plan.top_k}),
+      Shape{n});
+  plan.token_index = ops::index_select(token_of_assignment, 0, plan.order);
+  return plan;
+}
+
+Tensor dispatch_tokens(const Tensor& x, const MoEDispatchPlan& plan) {
+  TANDEM_CHECK(x.dim() == 2 && x.shape()[0] == plan.num_tokens,
+               "[nn::dispatch_tokens] expected x of shape ({}, D), got {}", plan.num_tokens,
+               x.shape());
+  return index_select(x, 0, plan.token_index);
+}
+
+Tensor combine_tokens(const Tensor& expert_out, const Tensor& weights,
+                      const MoEDispatchPlan& plan) {
+  const int64_t n = plan.num_tokens * plan.top_k;
+  TANDEM_CHECK(expert_out.dim() == 2 && expert_out.shape()[0] == n,
+               "[nn::combine_tokens] expected expert outputs of shape ({}, D), got {}", n,
+               expert_out.shape());
+  TANDEM_CHECK(weights.shape() == Shape({plan.num_tokens, plan.top_k}),
+               "[nn::combine_tokens] expected weights of shape ({}, {}), got {}", plan.num_tokens,
+               plan.top_k, weights.shape());
+  const int64_t d = expert_out.shape()[1];
+  // Back to assignment order (t major, choice minor), then mix the k choices.
+  Tensor per_choice =
+      reshape(index_select(expert_out, 0, plan.inverse), Shape{plan.num_tokens, plan.top_k, d});
+  Tensor w = unsqueeze(to(weights, expert_out.dtype()), -1);
+  return sum(mul(per_choice, w), Dims{1});
+}
+
+Tensor load_balancing_loss(const Tensor& probs, const MoEDispatchPlan& plan) {
+  TANDEM_CHECK(probs.shape() == Shape({plan.num_tokens, plan.num_experts}),
+               "[nn::load_balancing_loss] expected probs of shape ({}, {}), got {}",
+               plan.num_tokens, plan.num_experts, probs.shape());
+  const double assignments = static_cast<double>(plan.num_tokens * plan.top_k);
+  std::vector<double> fraction;
+  for (int64_t c : plan.counts)
+    fraction.push_back(static_cast<double>(c) / assignments);
+  Tensor f = ops::to(ops::to(ops::from_vector(fraction, Shape{plan.num_experts}), probs.device()),
+                     probs.dtype());
+  Tensor mean_prob = mean(probs, Dims{0});  // (E)
+  return mul(sum(mul(mean_prob, f)), static_cast<double>(plan.num_experts));
+}
+
+MoE::MoE(int64_t d_model, int64_t hidden, int64_t num_experts, int64_t top_k, Generator& gen)
+    : Module("MoE"), d_model_(d_model), num_experts_(num_experts), top_k_(top_k) {
+  TANDEM_CHECK(num_experts >= 1 && top_k >= 1 && top_k <= num_experts,
+               "[nn::MoE] expected 1 <= top_k <= num_experts, got top_k={}, num_experts={}", top_k,
+               num_experts);
+  router_ = register_module("router", std::make_shared<Linear>(d_model, num_experts, gen, false));
+  experts_list_ = register_module("experts", std::make_shared<ModuleList>());
+  for (int64_t e = 0; e < num_experts; ++e) {
+    experts_.push_back(experts_list_->append(std::make_shared<SwiGLU>(d_model, hidden, gen)));
+  }
+}
+
+const std::shared_ptr<SwiGLU>& MoE::expert(int64_t e) const {
+  TANDEM_CHECK(e >= 0 && e < num_experts_, "[nn::MoE] expected an expert in [0, {}), got {}",
+               num_experts_, e);
+  return experts_[static_cast<size_t>(e)];
+}
+
+Tensor MoE::run_experts(const Tensor& rows, const std::vector<int64_t>& counts) {
+  TANDEM_CHECK(counts.size() == experts_.size(), "[nn::MoE] expected {} per-expert counts, got {}",
+               experts_.size(), counts.size());
+  std::vector<Tensor> slices = split_sizes(rows, counts, 0);
+  std::vector<Tensor> outputs;
+  for (size_t e = 0; e < experts_.size(); ++e) {
+    if (counts[e] > 0) outputs.push_back((*experts_[e])(slices[e]));
+  }
+  return outputs.size() == 1 ? outputs[0] : cat(outputs, 0);
+}
+
+std::vector<Tensor> MoE::forward(Args& args) {
+  const Tensor& x = single_input(args, "MoE");
+  TANDEM_CHECK(x.dim() >= 2 && x.shape().back() == d_model_,
+               "[nn::MoE] expected an input of shape (…, {}), got {}", d_model_, x.shape());
+  Tensor tokens = reshape(x, Shape{-1, d_model_});  // (T, D)
+  MoERouting routing = route((*router_)(tokens), top_k_);
+  MoEDispatchPlan plan = plan_dispatch(routing.indices, num_experts_);
+  Tensor rows = dispatch_tokens(tokens, plan);
+  Tensor expert_out = run_experts(rows, plan.counts);
+  Tensor y = combine_tokens(expert_out, routing.weights, plan);
+  return {reshape(y, x.shape()), load_balancing_loss(routing.probs, plan)};
+}
+
+}  // namespace tandem::nn

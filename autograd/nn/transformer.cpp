@@ -1,0 +1,103 @@
+#include "autograd/nn/transformer.h"
+
+#include "autograd/ops.h"
+#include "runtime/error.h"
+
+namespace tandem::nn {
+
+TransformerBlock::TransformerBlock(const TransformerBlockConfig& config, Generator& gen)
+    : Module("TransformerBlock"), config_(config) {
+  if (config_.n_kv_heads == 0) config_.n_kv_heads = config_.n_heads;
+  TANDEM_CHECK(config_.d_model > 0 && config_.hidden > 0,
+               "[nn::TransformerBlock] expected positive d_model and hidden, got {} and {}",
+               config_.d_model, config_.hidden);
+  norm1_ = register_module("norm1", make_norm(config_.norm, config_.d_model, config_.norm_eps));
+  attn_ = register_module(
+      "attn", std::make_shared<SelfAttention>(config_.d_model, config_.n_heads, config_.n_kv_heads,
+                                              config_.causal, gen));
+  norm2_ = register_module("norm2", make_norm(config_.norm, config_.d_model, config_.norm_eps));
+  if (config_.experts > 0) {
+    moe_ = register_module("moe", std::make_shared<MoE>(config_.d_model, config_.hidden,
+                                                        config_.experts, config_.top_k, gen));
+  } else {
+    mlp_ = register_module("mlp", std::make_shared<SwiGLU>(config_.d_model, config_.hidden, gen));
+  }
+}
+
+std::vector<Tensor> TransformerBlock::forward(Args& args) {
+  const Tensor& x = single_input(args, "TransformerBlock");
+  Tensor h = add(x, (*attn_)((*norm1_)(x)));
+  Tensor normed = (*norm2_)(h);
+  if (moe_) {
+    std::vector<Tensor> out = moe_->call(Args{normed});
+    TANDEM_CHECK(out.size() == 2,
+                 "[nn::TransformerBlock] expected MoE outputs {{y, aux_loss}}, got {} tensors",
+                 out.size());
+    return {add(h, out[0]), out[1]};
+  }
+  return {add(h, (*mlp_)(normed))};
+}
+
+TransformerLM::TransformerLM(const TransformerLMConfig& config, Generator& gen)
+    : Module("TransformerLM"), config_(config) {
+  TANDEM_CHECK(config.vocab > 0 && config.layers > 0 && config.max_seq > 0,
+               "[nn::TransformerLM] expected positive vocab, layers and max_seq, got {}, {}, {}",
+               config.vocab, config.layers, config.max_seq);
+  tok_emb_ = register_module("tok_emb", std::make_shared<Embedding>(config.vocab, config.d_model,
+                                                                    gen, config.embedding_std));
+  pos_emb_ = register_module("pos_emb", std::make_shared<Embedding>(config.max_seq, config.d_model,
+                                                                    gen, config.embedding_std));
+  blocks_ = register_module("blocks", std::make_shared<ModuleList>());
+  TransformerBlockConfig block;
+  block.d_model = config.d_model;
+  block.n_heads = config.heads;
+  block.n_kv_heads = config.kv_heads;
+  block.hidden = config.hidden;
+  block.causal = true;
+  block.norm = config.norm;
+  block.norm_eps = config.norm_eps;
+  block.experts = config.experts;
+  block.top_k = config.top_k;
+  for (int64_t i = 0; i < config.layers; ++i) {
+    blocks_->append(std::make_shared<TransformerBlock>(block, gen));
+  }
+  norm_f_ = register_module("norm_f", make_norm(config.norm, config.d_model, config.norm_eps));
+  lm_head_ = register_module("lm_head",
+                             std::make_shared<Linear>(config.d_model, config.vocab, gen, false));
+}
+
+std::shared_ptr<TransformerBlock> TransformerLM::block(int64_t i) const {
+  TANDEM_CHECK(i >= 0 && i < config_.layers,
+               "[nn::TransformerLM] expected a block index in [0, {}), got {}", config_.layers, i);
+  return blocks_->at<TransformerBlock>(static_cast<size_t>(i));
+}
+
+std::vector<Tensor> TransformerLM::forward(Args& args) {
+  const Tensor& tokens = single_input(args, "TransformerLM");
+  TANDEM_CHECK(tokens.dim() == 2 && tokens.shape()[1] <= config_.max_seq,
+               "[nn::TransformerLM] expected tokens (B, S) with S <= {}, got {}", config_.max_seq,
+               tokens.shape());
+  const int64_t S = tokens.shape()[1];
+  Tensor positions = ops::arange(0, static_cast<double>(S), 1, DType::I64, tokens.device());
+  Tensor x = add((*tok_emb_)(tokens), (*pos_emb_)(positions));  // (B, S, D) + (S, D)
+  Tensor aux;
+  for (size_t i = 0; i < blocks_->size(); ++i) {
+    std::vector<Tensor> out = (*blocks_)[i]->call(Args{x});
+    x = out[0];
+    if (out.size() > 1) aux = aux.defined() ? add(aux, out[1]) : out[1];
+  }
+  Tensor logits = (*lm_head_)((*norm_f_)(x));
+  if (aux.defined()) return {logits, aux};
+  return {logits};
+}
+
+Tensor lm_loss(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
+  TANDEM_CHECK(logits.dim() == 3 && targets.dim() == 2 && logits.shape()[0] == targets.shape()[0] &&
+                   logits.shape()[1] == targets.shape()[1],
+               "[nn::lm_loss] expected logits (B, S, V) and targets (B, S), got {} and {}",
+               logits.shape(), targets.shape());
+  const int64_t V = logits.shape()[2];
+  return cross_entropy(reshape(logits, Shape{-1, V}), reshape(targets, Shape{-1}), ignore_index);
+}
+
+}  // namespace tandem::nn

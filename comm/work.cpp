@@ -1,0 +1,84 @@
+#include "comm/work.h"
+
+#include "runtime/config.h"
+#include "runtime/error.h"
+
+namespace tandem {
+
+Work::Work(std::string description) : description_(std::move(description)) {}
+
+void Work::finish(std::exception_ptr error) {
+  std::vector<std::function<void()>> callbacks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (completed_) return;
+    completed_ = true;
+    error_ = error;
+    callbacks.swap(callbacks_);
+    kept_.clear();
+  }
+  cv_.notify_all();
+  for (auto& fn : callbacks) fn();
+}
+
+void Work::on_completion(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!completed_) {
+      callbacks_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn();
+}
+
+bool Work::wait_finished(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_for(lock, timeout, [&] { return completed_; });
+}
+
+std::exception_ptr Work::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+bool Work::is_completed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return completed_;
+}
+
+void Work::rethrow_if_failed() {
+  std::exception_ptr e = error();
+  if (e) std::rethrow_exception(e);
+}
+
+void Work::synchronize() {
+  if (!wait_finished(wait_timeout())) {
+    throw TimeoutError(fmt::format(
+        "[comm::Work::synchronize] expected {} to complete within {} ms, got no completion "
+        "(a peer may be missing; see the watchdog report of the group)",
+        description_, wait_timeout().count()));
+  }
+  rethrow_if_failed();
+}
+
+void Work::wait() {
+  // CPU: an inline stream is the caller; an async stream waits in its queue.
+  Device device = outputs_.empty() || !outputs_[0].defined() ? Device::cpu() : outputs_[0].device();
+  const Stream& stream = current_stream(device.is_cpu() ? device : Device::cpu());
+  if (stream.is_inline()) {
+    synchronize();
+    return;
+  }
+  std::shared_ptr<Work> self = shared_from_this();
+  stream.enqueue_async([self] { self->synchronize(); }, false);
+}
+
+WorkPtr completed_work(std::string description, std::vector<Tensor> outputs) {
+  auto w = std::make_shared<Work>(std::move(description));
+  w->set_outputs(std::move(outputs));
+  w->finish();
+  return w;
+}
+
+}  // namespace tandem
