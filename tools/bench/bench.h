@@ -107,5 +107,7 @@ class Report {
 
 // Sub-benchmarks. Each returns the process exit status.
 int run_tensor(const Options& options);
+int run_autograd(const Options& options);  // bench_autograd.cpp
+int run_comm(const Options& options);      // bench_comm.cpp
 
 }  // namespace tandem::bench
