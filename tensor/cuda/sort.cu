@@ -50,8 +50,9 @@ __device__ __forceinline__ void comparator(int64_t c, int64_t size, int64_t stri
 
 // Sorts each row in shared memory and writes its first `keep` entries.
 template <class T>
-__global__ void sort_shared_kernel(const T* in, int64_t rows, int64_t n, int64_t p, bool descending,
-                                   int64_t keep, T* values, int64_t* indices) {
+__global__ void __launch_bounds__(detail::kMaxBlock)
+    sort_shared_kernel(const T* in, int64_t rows, int64_t n, int64_t p, bool descending,
+                       int64_t keep, T* values, int64_t* indices) {
   using K = compute_t<T>;
   extern __shared__ __align__(16) unsigned char smem[];
   K* keys = reinterpret_cast<K*>(smem);

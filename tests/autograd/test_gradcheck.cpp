@@ -449,7 +449,8 @@ TEST_CASE("gradcheck: layer_norm and rms_norm with and without affine parameters
   CHECK(grad(xl).dtype() == F64);
   REQUIRE(grad(bl).dtype() == F64);
   std::vector<double> upv = values_of(up), expect_bias(5);
-  for (int j = 0; j < 5; ++j) expect_bias[j] = upv[j] + upv[5 + j];
+  for (int j = 0; j < 5; ++j)
+    expect_bias[j] = upv[j] + upv[5 + j];
   TANDEM_CHECK_CLOSE(grad_values(bl), expect_bias, 1e-6, 1e-6);
 }
 
@@ -660,14 +661,20 @@ TEST_CASE("TMPDEBUG", "[tmpdebug]") {
   Tensor x = rnd(Shape{2, 3, 5}, 630, -2, 2);
   Tensor w = rnd(Shape{5}, 631, 0.5, 1.5);
   Tensor b = rnd(Shape{5}, 632);
-  auto p = [](const char* n, GradcheckResult r) { printf("%s ok=%d err=%g %s\n", n, r.ok, r.max_abs_error, r.message.c_str()); };
+  auto p = [](const char* n, GradcheckResult r) {
+    printf("%s ok=%d err=%g %s\n", n, r.ok, r.max_abs_error, r.message.c_str());
+  };
   p("ln", gradcheck([](const V& t) { return V{layer_norm(t[0], t[1], t[2])}; }, {x, w, b}));
   p("ln bias", gradcheck([](const V& t) { return V{layer_norm(t[0], Tensor(), t[1])}; }, {x, b}));
   p("rms", gradcheck([](const V& t) { return V{rms_norm(t[0], t[1])}; }, {x, w}));
   p("mul", gradcheck([](const V& t) { return V{mul(t[0], t[1])}; }, {x, x}));
-  p("attn", gradcheck([](const V& t) { return V{scaled_dot_product_attention(t[0], t[1], t[2]).out}; }, {rnd(Shape{1, 2, 3, 4}, 800), rnd(Shape{1, 2, 5, 4}, 801), rnd(Shape{1, 2, 5, 4}, 802)}));
+  p("attn",
+    gradcheck(
+        [](const V& t) { return V{scaled_dot_product_attention(t[0], t[1], t[2]).out}; },
+        {rnd(Shape{1, 2, 3, 4}, 800), rnd(Shape{1, 2, 5, 4}, 801), rnd(Shape{1, 2, 5, 4}, 802)}));
   Tensor bl = leaf(Shape{5}, 1);
   Tensor xl = leaf(Shape{2, 5}, 2);
   backward(sum(layer_norm(xl, Tensor(), bl)));
-  printf("bias grad dtype %s x grad %s\n", dtype_name(grad(bl).dtype()), dtype_name(grad(xl).dtype()));
+  printf("bias grad dtype %s x grad %s\n", dtype_name(grad(bl).dtype()),
+         dtype_name(grad(xl).dtype()));
 }

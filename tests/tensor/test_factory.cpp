@@ -470,6 +470,17 @@ TEST_CASE("copy_ writes into a view of the destination", "[factory]") {
       }
     }
   }
+  SECTION("transposed source") {
+    Tensor src_t = ops::transpose(tensor_of(src_values, {3, 4}), 0, 1);  // (4, 3)
+    ops::copy_(ops::narrow(base, 1, 1, 3), src_t);
+    std::vector<double> got = values_of(base);
+    for (int64_t i = 0; i < 4; ++i) {
+      for (int64_t j = 0; j < 5; ++j) {
+        double expected = (j >= 1 && j < 4) ? src_values[(j - 1) * 4 + i] : 0.0;
+        REQUIRE(got[i * 5 + j] == expected);
+      }
+    }
+  }
   SECTION("broadcast source and dtype conversion") {
     Tensor row = tensor_of({1, 2, 3}, {3}, DType::I32);
     ops::copy_(ops::narrow(base, 1, 2, 3), row);
@@ -479,7 +490,7 @@ TEST_CASE("copy_ writes into a view of the destination", "[factory]") {
         REQUIRE(got[i * 5 + j] == (j >= 2 ? j - 1.0 : 0.0));
     }
   }
-  SECTION("transposed source into a strided column view") {
+  SECTION("a row into a strided column view") {
     Tensor col_src = tensor_of({10, 20, 30, 40}, {1, 4});
     ops::copy_(ops::select(base, 1, 4), ops::select(col_src, 0, 0));
     std::vector<double> got = values_of(base);

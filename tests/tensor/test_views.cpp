@@ -3,6 +3,7 @@
 // should be. The base holds 0, 1, 2, ... so any mix-up of indices shows.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <vector>
