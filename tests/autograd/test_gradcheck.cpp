@@ -386,6 +386,36 @@ TEST_CASE("gradcheck: views and copies", "[gradcheck]") {
   check_gradients("to(f32) and back",
                   one([](const Tensor& t) { return to(to(t, DType::F32) * 3.0, F64) * t; }), {a},
                   loose);
+  check_gradients("to(same device)", one([](const Tensor& t) { return to(t, Device::cpu()) * t; }),
+                  {a});
+  // The cast node hands back a gradient of the input's dtype.
+  Tensor x = leaf(Shape{3}, 508);
+  backward(sum(to(x, DType::F32) * 2.0));
+  CHECK(grad(x).dtype() == F64);
+  CHECK(grad_values(x) == std::vector<double>(3, 2.0));
+}
+
+TEST_CASE("gradcheck: sum_to is the adjoint of broadcasting (by value)", "[gradcheck]") {
+  Tensor g = rnd(Shape{2, 3, 4}, 510);
+  std::vector<double> gv = values_of(g);
+  // To (3, 1): sum over the leading dim and the last.
+  std::vector<double> expect(3, 0.0);
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 3; ++j)
+      for (int k = 0; k < 4; ++k)
+        expect[j] += gv[(i * 3 + j) * 4 + k];
+  Tensor r = sum_to(g, Shape{3, 1});
+  REQUIRE(r.shape() == Shape{3, 1});
+  TANDEM_CHECK_CLOSE(values_of(r), expect, 1e-14, 1e-14);
+  // To (1, 4): sum over the first two dims; to the same shape: unchanged.
+  std::vector<double> expect2(4, 0.0);
+  for (int n = 0; n < 6; ++n)
+    for (int k = 0; k < 4; ++k)
+      expect2[k] += gv[n * 4 + k];
+  Tensor r2 = sum_to(g, Shape{1, 4});
+  REQUIRE(r2.shape() == Shape{1, 4});
+  TANDEM_CHECK_CLOSE(values_of(r2), expect2, 1e-14, 1e-14);
+  CHECK(ops::equal(sum_to(g, g.shape()), g));
 }
 
 TEST_CASE("gradcheck: view backward lands gradients at the viewed elements (by value)",
@@ -655,26 +685,4 @@ TEST_CASE("gradcheck reports a wrong custom backward", "[gradcheck]") {
     CHECK(r.ok);
     CHECK(r.max_abs_error < 1e-6);
   }
-}
-TEST_CASE("TMPDEBUG", "[tmpdebug]") {
-  using V = std::vector<Tensor>;
-  Tensor x = rnd(Shape{2, 3, 5}, 630, -2, 2);
-  Tensor w = rnd(Shape{5}, 631, 0.5, 1.5);
-  Tensor b = rnd(Shape{5}, 632);
-  auto p = [](const char* n, GradcheckResult r) {
-    printf("%s ok=%d err=%g %s\n", n, r.ok, r.max_abs_error, r.message.c_str());
-  };
-  p("ln", gradcheck([](const V& t) { return V{layer_norm(t[0], t[1], t[2])}; }, {x, w, b}));
-  p("ln bias", gradcheck([](const V& t) { return V{layer_norm(t[0], Tensor(), t[1])}; }, {x, b}));
-  p("rms", gradcheck([](const V& t) { return V{rms_norm(t[0], t[1])}; }, {x, w}));
-  p("mul", gradcheck([](const V& t) { return V{mul(t[0], t[1])}; }, {x, x}));
-  p("attn",
-    gradcheck(
-        [](const V& t) { return V{scaled_dot_product_attention(t[0], t[1], t[2]).out}; },
-        {rnd(Shape{1, 2, 3, 4}, 800), rnd(Shape{1, 2, 5, 4}, 801), rnd(Shape{1, 2, 5, 4}, 802)}));
-  Tensor bl = leaf(Shape{5}, 1);
-  Tensor xl = leaf(Shape{2, 5}, 2);
-  backward(sum(layer_norm(xl, Tensor(), bl)));
-  printf("bias grad dtype %s x grad %s\n", dtype_name(grad(bl).dtype()),
-         dtype_name(grad(xl).dtype()));
 }

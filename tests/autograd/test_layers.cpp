@@ -567,7 +567,7 @@ TEST_CASE("MoE load-balancing loss equals E * sum f_e P_e", "[layers]") {
 }
 
 TEST_CASE("MoE forward matches per-token expert mixing; gradients", "[layers]") {
-  Generator gen(19);
+  Generator gen(9);
   const int64_t d = 4, hidden = 6, E = 4, k = 2, B = 2, S = 3, T = B * S;
   auto moe = std::make_shared<nn::MoE>(d, hidden, E, k, gen);
   const auto names = names_of(*moe);
@@ -599,7 +599,9 @@ TEST_CASE("MoE forward matches per-token expert mixing; gradients", "[layers]") 
     std::vector<int64_t> rank(E);
     std::iota(rank.begin(), rank.end(), 0);
     std::sort(rank.begin(), rank.end(), [&](int64_t a, int64_t b) { return pr[a] > pr[b]; });
-    min_gap = std::min(min_gap, pr[rank[k - 1]] - pr[rank[k]]);
+    // Routing is stable when the k-th and (k+1)-th logits are far apart
+    // next to the ±1e-6 perturbations.
+    min_gap = std::min(min_gap, logits[t * E + rank[k - 1]] - logits[t * E + rank[k]]);
     double wsum = 0;
     for (int64_t j = 0; j < k; ++j)
       wsum += pr[rank[j]];
@@ -615,7 +617,7 @@ TEST_CASE("MoE forward matches per-token expert mixing; gradients", "[layers]") 
     for (int64_t e = 0; e < E; ++e)
       mean_prob[e] += pr[e] / T;
   }
-  REQUIRE(min_gap > 1e-3);
+  REQUIRE(min_gap > 1e-2);
   double aux = 0;
   for (int64_t e = 0; e < E; ++e)
     aux += E * fraction[e] * mean_prob[e];

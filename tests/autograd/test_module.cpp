@@ -193,7 +193,8 @@ TEST_CASE("module: state_dict and load_state_dict", "[module]") {
     std::map<std::string, Tensor> bad = sd;
     // "head.w2" sorts after most keys: the valid ones before it must not be copied.
     bad["head.w2"] = ops::zeros(Shape{4, 2}, F64);
-    CHECK_THROWS_WITH(dst->load_state_dict(bad), Contains("head.w2") && Contains("[2,4]") && Contains("[4,2]"));
+    CHECK_THROWS_WITH(dst->load_state_dict(bad),
+                      Contains("head.w2") && Contains("[2,4]") && Contains("[4,2]"));
     CHECK(same_state(*dst, before));
     CHECK_THROWS(dst->load_state_dict(bad, false));
     CHECK(same_state(*dst, before));

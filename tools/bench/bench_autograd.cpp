@@ -1,8 +1,746 @@
-// Placeholder until the autograd benchmark lands.
+// `tandem-bench autograd`: what recording and replaying the tape costs, against
+// baselines measured in the same run (Note [Benchmark timing]).
+//
+//   overhead   forward+backward of a chain of 1,000 tiny elementwise ops on a
+//              4-element tensor: against the same chain through the raw,
+//              non-differentiable tandem::ops (forward only, same process), and
+//              against LibTorch 1.13
+//   block      forward+backward step of one pre-norm transformer block (causal
+//              attention, SwiGLU MLP) at 1 and 2 threads against LibTorch's best
+//              thread setting, with the step's peak memory
+//
+// LibTorch runs in its own process (tools/bench/libtorch_autograd.cpp, built
+// only when libtorch-dev is installed) so that its OpenMP threads never share
+// the process with tandem's; it is found next to this executable. Tandem and
+// LibTorch take turns over several rounds (Note [LibTorch rounds]). Both sides
+// start from bit-identical weights (Note [Autograd benchmark workload]), and
+// their losses and gradients are compared before any ratio is reported.
+#include <fmt/format.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "autograd/ops.h"
+#include "runtime/allocator.h"
+#include "runtime/device.h"
+#include "runtime/stream.h"
 #include "tools/bench/bench.h"
 
-#include <stdexcept>
-
 namespace tandem::bench {
-int run_autograd(const Options&) { throw std::runtime_error("the autograd benchmark is not built yet"); }
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::ordered_json;
+
+// Note [Autograd benchmark workload]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Shared with tools/bench/libtorch_autograd.cpp, which repeats these constants
+// and workload_values(): change both together. Every value is an integer hash
+// converted exactly to a multiple of 2^-23 in [-1, 1), times a power-of-two
+// scale, plus a power-of-two offset, so each float is exact and both programs
+// start from the same bits whatever the compiler contracts or reorders.
+constexpr int kChainOps = 1000;  // mul by 0.9, add a (4) tensor, tanh, repeated
+constexpr int64_t kChainNumel = 4;
+constexpr int64_t kBatch = 4, kSeq = 256, kModel = 256, kHeads = 4, kHidden = 1024;
+
+// Targets, as baseline/tandem ratios (Row::target): per-op overhead at most
+// 0.25x LibTorch's; a block step at most 0.8x LibTorch's best thread setting.
+constexpr double kOverheadTargetMax = 0.25;
+constexpr double kBlockTargetMax = 0.8;
+constexpr const char* kLibTorchProgram = "tandem-libtorch-autograd";
+
+std::vector<float> workload_values(uint64_t salt, int64_t n, float scale, float offset) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t z = (salt << 32) + static_cast<uint64_t>(i) + 0x9e3779b97f4a7c15ull;  // splitmix64
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    float u = static_cast<float>(z >> 40) * 0x1p-23f - 1.0f;
+    v[static_cast<size_t>(i)] = u * scale + offset;
+  }
+  return v;
+}
+
+Tensor workload_tensor(uint64_t salt, const Shape& shape, float scale, float offset = 0.0f) {
+  return ops::from_vector<float>(workload_values(salt, shape.numel(), scale, offset), shape);
+}
+
+Tensor leaf(Tensor t) {
+  set_requires_grad(t);
+  return t;
+}
+
+double seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+void synchronize_cpu() { current_stream(Device::cpu()).synchronize(); }
+
+// ---- the workloads ----
+
+// The op chain through either API; `Api` is DifferentiableApi or RawApi.
+template <class Api>
+Tensor run_chain(const Tensor& x, const Tensor& c) {
+  Tensor y = x;
+  for (int i = 0; i < kChainOps; ++i) {
+    switch (i % 3) {
+      case 0:
+        y = Api::mul(y, 0.9);
+        break;
+      case 1:
+        y = Api::add(y, c);
+        break;
+      default:
+        y = Api::tanh(y);
+    }
+  }
+  return Api::sum(y);
+}
+
+struct DifferentiableApi {
+  static Tensor mul(const Tensor& a, double s) { return tandem::mul(a, s); }
+  static Tensor add(const Tensor& a, const Tensor& b) { return tandem::add(a, b); }
+  static Tensor tanh(const Tensor& a) { return tandem::tanh(a); }
+  static Tensor sum(const Tensor& a) { return tandem::sum(a); }
+};
+
+struct RawApi {
+  static Tensor mul(const Tensor& a, double s) { return ops::mul(a, s); }
+  static Tensor add(const Tensor& a, const Tensor& b) { return ops::add(a, b); }
+  static Tensor tanh(const Tensor& a) { return ops::tanh(a); }
+  static Tensor sum(const Tensor& a) { return ops::sum(a); }
+};
+
+struct ChainWorkload {
+  Tensor x = leaf(workload_tensor(11, {kChainNumel}, 1.0f));
+  Tensor c = workload_tensor(12, {kChainNumel}, 0.125f);
+
+  // One forward+backward; adds the two phase times. The gradient is dropped
+  // afterwards (set to none) so every call does the same work.
+  void step(double& forward_s, double& backward_s) {
+    auto t0 = Clock::now();
+    Tensor loss = run_chain<DifferentiableApi>(x, c);
+    synchronize_cpu();
+    auto t1 = Clock::now();
+    backward(loss);
+    synchronize_cpu();
+    auto t2 = Clock::now();
+    zero_grad(x);
+    forward_s += seconds(t0, t1);
+    backward_s += seconds(t1, t2);
+  }
+
+  // (chain output, sum of x's gradient): compared with LibTorch's.
+  std::vector<float> check() {
+    Tensor loss = run_chain<DifferentiableApi>(x, c);
+    backward(loss);
+    float g = ops::sum(grad(x)).item<float>();
+    zero_grad(x);
+    return {loss.item<float>(), g};
+  }
+};
+
+struct BlockParams {
+  Tensor ln1_w = leaf(workload_tensor(1, {kModel}, 0.125f, 1.0f));
+  Tensor ln1_b = leaf(workload_tensor(2, {kModel}, 0.125f));
+  Tensor w_qkv = leaf(workload_tensor(3, {3 * kModel, kModel}, 1.0f / 16));
+  Tensor w_o = leaf(workload_tensor(4, {kModel, kModel}, 1.0f / 16));
+  Tensor ln2_w = leaf(workload_tensor(5, {kModel}, 0.125f, 1.0f));
+  Tensor ln2_b = leaf(workload_tensor(6, {kModel}, 0.125f));
+  Tensor w_gate = leaf(workload_tensor(7, {kHidden, kModel}, 1.0f / 16));
+  Tensor w_up = leaf(workload_tensor(8, {kHidden, kModel}, 1.0f / 16));
+  Tensor w_down = leaf(workload_tensor(9, {kModel, kHidden}, 1.0f / 32));
+
+  // In the order of LibTorch's "check" array.
+  std::vector<Tensor*> all() {
+    return {&ln1_w, &ln1_b, &w_qkv, &w_o, &ln2_w, &ln2_b, &w_gate, &w_up, &w_down};
+  }
+};
+
+// x (B, S, d) -> mean of the block's output. Pre-norm causal self-attention
+// (fused qkv projection split nanoGPT-style, tandem's fused attention) and a
+// SwiGLU MLP, each with a residual; bias-free linears.
+Tensor block_loss(const BlockParams& p, const Tensor& x) {
+  constexpr int64_t B = kBatch, S = kSeq, D = kModel, H = kHeads, Dh = kModel / kHeads;
+  Tensor h = layer_norm(x, p.ln1_w, p.ln1_b, 1e-5);
+  std::vector<Tensor> qkv = split(linear(h, p.w_qkv), D, -1);  // 3 x (B, S, D)
+  auto heads = [&](const Tensor& t) { return transpose(reshape(t, {B, S, H, Dh}), 1, 2); };
+  AttentionOptions causal;
+  causal.causal = true;
+  Tensor a = scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), causal).out;
+  Tensor y = add(x, linear(reshape(transpose(a, 1, 2), {B, S, D}), p.w_o));  // (B, S, D)
+  h = layer_norm(y, p.ln2_w, p.ln2_b, 1e-5);
+  Tensor m = linear(mul(silu(linear(h, p.w_gate)), linear(h, p.w_up)), p.w_down);
+  return mean(add(y, m));
+}
+
+struct BlockWorkload {
+  BlockParams p;
+  Tensor x = workload_tensor(10, {kBatch, kSeq, kModel}, 1.0f);
+
+  void step(double& forward_s, double& backward_s) {
+    auto t0 = Clock::now();
+    Tensor loss = block_loss(p, x);
+    synchronize_cpu();
+    auto t1 = Clock::now();
+    backward(loss);
+    synchronize_cpu();
+    auto t2 = Clock::now();
+    for (Tensor* t : p.all())
+      zero_grad(*t);
+    forward_s += seconds(t0, t1);
+    backward_s += seconds(t1, t2);
+  }
+
+  // (loss, L2 norm of each parameter's gradient): compared with LibTorch's.
+  std::vector<float> check() {
+    Tensor loss = block_loss(p, x);
+    backward(loss);
+    std::vector<float> values = {loss.item<float>()};
+    for (Tensor* t : p.all()) {
+      Tensor g = grad(*t);
+      values.push_back(static_cast<float>(std::sqrt(ops::sum(ops::mul(g, g)).item_double())));
+      zero_grad(*t);
+    }
+    return values;
+  }
+};
+
+// ---- measuring ----
+
+// Per-call medians over trials; each trial repeats the call enough times to
+// last min_trial_s (the same protocol as the LibTorch program).
+struct StepTimes {
+  double total_s = 0, forward_s = 0, backward_s = 0;
+  double min_s = 0;
+  int reps = 0;
+};
+using Step = std::function<void(double& forward_s, double& backward_s)>;
+
+StepTimes measure(const Step& step, int trials, double min_trial_s) {
+  double forward_s = 0, backward_s = 0;
+  step(forward_s, backward_s);  // warm-up: page faults, allocator cache
+  int reps = 1;
+  for (;;) {
+    auto start = Clock::now();
+    for (int i = 0; i < reps; ++i)
+      step(forward_s, backward_s);
+    double t = seconds(start, Clock::now());
+    if (t >= min_trial_s || reps >= (1 << 20)) break;
+    reps = std::max(2 * reps, static_cast<int>(std::ceil(reps * 1.2 * min_trial_s / t)));
+  }
+  std::vector<double> total, forward, backward;
+  for (int trial = 0; trial < trials; ++trial) {
+    forward_s = backward_s = 0;
+    auto start = Clock::now();
+    for (int i = 0; i < reps; ++i)
+      step(forward_s, backward_s);
+    total.push_back(seconds(start, Clock::now()) / reps);
+    forward.push_back(forward_s / reps);
+    backward.push_back(backward_s / reps);
+  }
+  StepTimes s;
+  s.total_s = median_of(total);
+  s.forward_s = median_of(forward);
+  s.backward_s = median_of(backward);
+  s.min_s = *std::min_element(total.begin(), total.end());
+  s.reps = reps;
+  return s;
+}
+
+// Note [LibTorch rounds]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// LibTorch cannot share tandem's process, so the pairing of Note [Benchmark
+// timing] happens one level up: a round measures tandem (chain; block at 1 and
+// 2 threads) and runs the LibTorch program twice (OpenMP wait policy left unset,
+// and OMP_WAIT_POLICY=passive, which on 2 shared cores can decide whether its
+// 2-thread step beats its 1-thread step), in an order that alternates between
+// rounds. Each side reports per-call medians of the same trial protocol; a
+// row's ratio is the median over rounds of LibTorch's time / tandem's time in
+// that round, against the LibTorch setting with the lowest median over rounds.
+struct CompareConfig {
+  int rounds = 5;
+  int chain_trials = 11;
+  int block_trials = 7;
+  double min_trial_s = 0.02;
+};
+
+CompareConfig compare_config(const Options& options) {
+  CompareConfig c;
+  if (options.quick) {
+    c.rounds = 2;
+    c.chain_trials = 5;
+    c.block_trials = 3;
+    c.min_trial_s = 0.01;
+  }
+  return c;
+}
+
+const int kThreadSettings[] = {1, 2};
+
+struct TandemRound {
+  StepTimes chain;
+  std::map<int, StepTimes> block;  // by threads
+};
+
+struct LibTorchRun {
+  std::string policy;  // "unset" or "passive"
+  Json json;
+};
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char ch : s)
+    q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return q + "'";
+}
+
+// The LibTorch program next to this executable, or empty with `why` set.
+std::string find_libtorch_program(std::string& why) {
+  std::error_code ec;
+  std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) {
+    why = fmt::format("cannot read /proc/self/exe ({})", ec.message());
+    return {};
+  }
+  std::filesystem::path path = self.parent_path() / kLibTorchProgram;
+  if (!std::filesystem::exists(path, ec)) {
+    why = fmt::format(
+        "{} not found next to tandem-bench (it is built only when libtorch-dev is installed; "
+        "install it and re-run `meson setup --reconfigure`)",
+        path.string());
+    return {};
+  }
+  if (access(path.c_str(), X_OK) != 0) {
+    why = fmt::format("{} is not executable", path.string());
+    return {};
+  }
+  return path.string();
+}
+
+Json run_libtorch(const std::string& program, const std::string& policy,
+                  const CompareConfig& config) {
+  std::string env = policy == "passive" ? "env OMP_WAIT_POLICY=passive" : "env -u OMP_WAIT_POLICY";
+  std::string command =
+      fmt::format("{} {} --chain-trials {} --block-trials {} --min-trial-ms {}", env,
+                  shell_quote(program), config.chain_trials, config.block_trials,
+                  config.min_trial_s * 1e3);
+  std::fflush(stdout);
+  FILE* pipe = popen(command.c_str(), "r");
+  TANDEM_CHECK(pipe != nullptr, "[bench::autograd] expected to start `{}`, got popen failing",
+               command);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0)
+    out.append(buf, n);
+  int status = pclose(pipe);
+  TANDEM_CHECK(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+               "[bench::autograd] expected `{}` to exit with status 0, got {} (its stderr is "
+               "above)",
+               command,
+               status == -1 ? std::string("pclose failing")
+               : WIFEXITED(status)
+                   ? fmt::format("status {}", WEXITSTATUS(status))
+                   : fmt::format("signal {}", WTERMSIG(status)));
+  Json j = Json::parse(out, nullptr, false);
+  TANDEM_CHECK(!j.is_discarded() && j.is_object(),
+               "[bench::autograd] expected one JSON object from {}, got: {}", program,
+               out.substr(0, 200));
+  return j;
+}
+
+std::vector<float> json_floats(const Json& j) {
+  std::vector<float> v;
+  for (const auto& x : j)
+    v.push_back(x.get<float>());
+  return v;
+}
+
+// Per-round seconds of one LibTorch measurement, e.g. ("chain", 0) or
+// ("block", 2).
+double libtorch_seconds(const Json& run, const std::string& what, int threads) {
+  if (what == "chain") return run.at("chain").at("median_ms").get<double>() * 1e-3;
+  for (const auto& b : run.at("block").at("threads")) {
+    if (b.at("threads").get<int>() == threads) return b.at("median_ms").get<double>() * 1e-3;
+  }
+  TANDEM_FAIL("[bench::autograd] expected LibTorch block times at {} threads, got none",
+              threads);
+}
+
+Timing timing_over_rounds(const std::vector<double>& per_round, int reps) {
+  Timing t;
+  t.median_s = median_of(per_round);
+  t.min_s = *std::min_element(per_round.begin(), per_round.end());
+  t.reps = reps;
+  t.trials = static_cast<int>(per_round.size());
+  return t;
+}
+
+// A LibTorch setting (wait policy, threads) with its per-round times.
+struct LibTorchSetting {
+  std::string label;
+  std::vector<double> per_round;
+};
+
+// The setting with the lowest median over rounds.
+const LibTorchSetting& best_setting(const std::vector<LibTorchSetting>& settings) {
+  return *std::min_element(settings.begin(), settings.end(), [](const auto& a, const auto& b) {
+    return median_of(a.per_round) < median_of(b.per_round);
+  });
+}
+
+PairTiming pair_over_rounds(const std::vector<double>& tandem, int tandem_reps,
+                            const LibTorchSetting& libtorch) {
+  std::vector<double> ratios;
+  for (size_t r = 0; r < tandem.size(); ++r)
+    ratios.push_back(libtorch.per_round[r] / tandem[r]);
+  return {timing_over_rounds(tandem, tandem_reps), timing_over_rounds(libtorch.per_round, 1),
+          median_of(ratios)};
+}
+
+// ---- the rows ----
+
+Row overhead_row(const std::string& baseline, double target) {
+  Row row;
+  row.group = "overhead";
+  row.name = fmt::format("chain {} ops", kChainOps);
+  row.device = "cpu";
+  row.threads = 1;
+  row.baseline = baseline;
+  row.target = target;
+  return row;
+}
+
+Row block_row(int threads, const std::string& baseline) {
+  Row row;
+  row.group = "block";
+  row.name = fmt::format("B{} S{} d{} h{}", kBatch, kSeq, kModel, kHeads);
+  row.device = "cpu";
+  row.threads = threads;
+  row.baseline = baseline;
+  row.target = 1.0 / kBlockTargetMax;
+  return row;
+}
+
+// Autograd chain (forward+backward) against the raw ops chain (forward only),
+// interleaved in this process. Informational: target 0.
+void bench_overhead_vs_ops(Report& report, const TimingConfig& config, Json& tandem_json) {
+  Row row = overhead_row("tandem::ops, forward only", 0.0);
+  if (!report.wants(row)) return;
+  try {
+    ops::set_num_threads(1);
+    ChainWorkload chain;
+    double f = 0, b = 0;
+    Kernel differentiable = [&](int reps) {
+      for (int i = 0; i < reps; ++i)
+        chain.step(f, b);
+    };
+    Tensor out;
+    Kernel raw = [&](int reps) {
+      for (int i = 0; i < reps; ++i)
+        out = run_chain<RawApi>(chain.x, chain.c);
+      synchronize_cpu();
+    };
+    row.timing = time_interleaved(differentiable, raw, config);
+    double per_op = 1e9 / kChainOps;
+    tandem_json["raw_ops_forward_ns_per_op"] = row.timing.baseline.median_s * per_op;
+    tandem_json["autograd_over_raw_forward"] = 1.0 / row.timing.ratio;
+  } catch (const std::exception& e) {
+    row.error = e.what();
+  }
+  report.add(std::move(row));
+}
+
+// Peak memory of one block step per thread setting (after a warm-up step).
+Json measure_block_memory(BlockWorkload& block, std::string& text) {
+  constexpr double kMiB = 1024.0 * 1024.0;
+  Json memory = Json::object();
+  for (int threads : kThreadSettings) {
+    ops::set_num_threads(threads);
+    double f = 0, b = 0;
+    block.step(f, b);
+    MemoryStats before = memory_stats(Device::cpu());
+    reset_peak_memory(Device::cpu());
+    block.step(f, b);
+    MemoryStats after = memory_stats(Device::cpu());
+    double peak = static_cast<double>(after.peak_allocated_bytes);
+    double held = static_cast<double>(before.allocated_bytes);
+    memory[std::to_string(threads)] = {
+        {"peak_allocated_mib", peak / kMiB},
+        {"allocated_before_mib", held / kMiB},
+        {"step_peak_above_before_mib", (peak - held) / kMiB},
+        {"peak_reserved_mib", after.peak_reserved_bytes / kMiB},
+        {"system_allocs_in_step", after.num_system_allocs - before.num_system_allocs},
+    };
+    text += fmt::format(
+        "{}block step peak memory, {} thread{}: {:.1f} MiB allocated at peak ({:.1f} MiB above "
+        "the {:.1f} MiB held before the step: weights, input, the chain), {:.1f} MiB reserved; "
+        "{} system allocations in the step",
+        text.empty() ? "" : "\n", threads, threads == 1 ? "" : "s", peak / kMiB,
+        (peak - held) / kMiB, held / kMiB, after.peak_reserved_bytes / kMiB,
+        after.num_system_allocs - before.num_system_allocs);
+  }
+  return memory;
+}
+
+// The rounds of Note [LibTorch rounds]; without the LibTorch program, only
+// tandem's figures (as notes and JSON fields).
+void bench_against_libtorch(Report& report, const Options& options, Json& tandem_json) {
+  const CompareConfig config = compare_config(options);
+  const bool want_chain = report.wants(overhead_row("LibTorch", 0));
+  const bool want_block = report.wants(block_row(1, "LibTorch"));
+  if (!want_chain && !want_block) return;
+
+  std::string why_not;
+  const std::string program = find_libtorch_program(why_not);
+  const std::vector<std::string> policies = {"unset", "passive"};
+
+  ChainWorkload chain;
+  BlockWorkload block;
+  std::vector<TandemRound> tandem_rounds;
+  std::vector<std::vector<LibTorchRun>> libtorch_rounds;
+  std::string libtorch_error;
+
+  auto run_tandem = [&] {
+    TandemRound r;
+    ops::set_num_threads(1);
+    if (want_chain) {
+      r.chain = measure([&](double& f, double& b) { chain.step(f, b); }, config.chain_trials,
+                        config.min_trial_s);
+    }
+    if (want_block) {
+      for (int threads : kThreadSettings) {
+        ops::set_num_threads(threads);
+        r.block[threads] = measure([&](double& f, double& b) { block.step(f, b); },
+                                   config.block_trials, config.min_trial_s);
+      }
+    }
+    // Let OpenBLAS's second thread go idle before LibTorch's process starts.
+    ops::set_num_threads(1);
+    tandem_rounds.push_back(std::move(r));
+  };
+  auto run_libtorch_round = [&](bool reversed) {
+    std::vector<LibTorchRun> runs;
+    for (size_t i = 0; i < policies.size(); ++i) {
+      const std::string& policy = policies[reversed ? policies.size() - 1 - i : i];
+      runs.push_back({policy, run_libtorch(program, policy, config)});
+    }
+    std::sort(runs.begin(), runs.end(),
+              [](const auto& a, const auto& b) { return a.policy > b.policy; });  // unset first
+    libtorch_rounds.push_back(std::move(runs));
+  };
+
+  report.note(program.empty()
+                  ? fmt::format("\nmeasuring tandem ({} rounds); LibTorch comparison skipped: {}",
+                                config.rounds, why_not)
+                  : fmt::format("\nalternating tandem and {} (OMP_WAIT_POLICY unset / passive), "
+                                "{} rounds ...",
+                                kLibTorchProgram, config.rounds));
+  for (int round = 0; round < config.rounds; ++round) {
+    bool tandem_first = round % 2 == 0;
+    if (tandem_first) run_tandem();
+    if (!program.empty() && libtorch_error.empty()) {
+      try {
+        run_libtorch_round(!tandem_first);
+      } catch (const std::exception& e) {
+        libtorch_error = e.what();
+      }
+    }
+    if (!tandem_first) run_tandem();
+  }
+
+  // Tandem's own figures.
+  const double per_op = 1e9 / kChainOps;
+  auto rounds_of = [&](auto get) {
+    std::vector<double> v;
+    for (const TandemRound& r : tandem_rounds)
+      v.push_back(get(r));
+    return v;
+  };
+  if (want_chain) {
+    double total = median_of(rounds_of([](const TandemRound& r) { return r.chain.total_s; }));
+    double fwd = median_of(rounds_of([](const TandemRound& r) { return r.chain.forward_s; }));
+    double bwd = median_of(rounds_of([](const TandemRound& r) { return r.chain.backward_s; }));
+    tandem_json["autograd_ns_per_op"] = total * per_op;
+    tandem_json["autograd_forward_ns_per_op"] = fwd * per_op;
+    tandem_json["autograd_backward_ns_per_op"] = bwd * per_op;
+    report.note(fmt::format(
+        "tandem per op (forward+backward): {:.0f} ns (forward {:.0f}, backward {:.0f}); raw "
+        "tandem::ops forward: {:.0f} ns",
+        total * per_op, fwd * per_op, bwd * per_op,
+        tandem_json.value("raw_ops_forward_ns_per_op", std::nan(""))));
+  }
+  if (want_block) {
+    Json steps = Json::object();
+    for (int threads : kThreadSettings) {
+      auto get = [&](auto field) {
+        return median_of(rounds_of([&](const TandemRound& r) { return r.block.at(threads).*field; }));
+      };
+      double total = get(&StepTimes::total_s);
+      double fwd = get(&StepTimes::forward_s);
+      double bwd = get(&StepTimes::backward_s);
+      steps[std::to_string(threads)] = {
+          {"step_ms", total * 1e3}, {"forward_ms", fwd * 1e3}, {"backward_ms", bwd * 1e3}};
+      report.note(fmt::format(
+          "tandem block step, {} thread{}: {:.1f} ms (forward {:.1f}, backward {:.1f})", threads,
+          threads == 1 ? "" : "s", total * 1e3, fwd * 1e3, bwd * 1e3));
+    }
+    tandem_json["block_step"] = std::move(steps);
+    std::string text;
+    Json memory = measure_block_memory(block, text);
+    tandem_json["block_memory"] = std::move(memory);
+    report.note(text);
+  }
+
+  if (program.empty()) {
+    report.set("libtorch", {{"skipped", true}, {"reason", why_not}},
+               fmt::format("LibTorch comparison skipped: {}", why_not));
+    return;
+  }
+
+  // Correctness first: same loss and gradients as LibTorch from the same bits.
+  std::string mismatch = libtorch_error;
+  if (mismatch.empty()) {
+    const Json& check = libtorch_rounds.front().front().json.at("check");
+    if (want_chain) {
+      std::string m = compare(chain.check(), json_floats(check.at("chain")), 1e-4, 1e-6);
+      if (!m.empty()) mismatch = "chain (output, gradient sum): " + m;
+    }
+    if (want_block && mismatch.empty()) {
+      std::string m = compare(block.check(), json_floats(check.at("block")), 2e-3, 1e-6);
+      if (!m.empty()) mismatch = "block (loss, gradient norms): " + m;
+    }
+  }
+
+  // Settings: chain per wait policy; block per wait policy and thread count.
+  std::vector<LibTorchSetting> chain_settings, block_settings;
+  Json libtorch_json = {{"skipped", false}, {"program", program}};
+  if (libtorch_error.empty()) {
+    const Json& first = libtorch_rounds.front().front().json;
+    libtorch_json["torch_version"] = first.value("torch_version", "");
+    libtorch_json["blas_threads"] = first.value("blas_threads", "");
+    for (size_t p = 0; p < policies.size(); ++p) {
+      LibTorchSetting c{fmt::format("OMP_WAIT_POLICY {}", policies[p]), {}};
+      for (const auto& runs : libtorch_rounds)
+        c.per_round.push_back(libtorch_seconds(runs[p].json, "chain", 0));
+      chain_settings.push_back(std::move(c));
+      for (int threads : kThreadSettings) {
+        LibTorchSetting s{fmt::format("{} thr, OMP_WAIT_POLICY {}", threads, policies[p]), {}};
+        for (const auto& runs : libtorch_rounds)
+          s.per_round.push_back(libtorch_seconds(runs[p].json, "block", threads));
+        block_settings.push_back(std::move(s));
+      }
+    }
+    Json medians = Json::object();
+    for (const auto& s : chain_settings) {
+      medians["chain ns/op, " + s.label] = median_of(s.per_round) * per_op;
+      const Json& lt_chain = libtorch_rounds.front().front().json.at("chain");
+      (void)lt_chain;
+    }
+    for (const auto& s : block_settings)
+      medians["block step ms, " + s.label] = median_of(s.per_round) * 1e3;
+    libtorch_json["medians_over_rounds"] = medians;
+    std::string text = "LibTorch medians over rounds:";
+    for (const auto& [key, value] : medians.items())
+      text += fmt::format("\n  {}: {:.1f}", key, value.get<double>());
+    report.set("libtorch", std::move(libtorch_json), text);
+  } else {
+    report.set("libtorch", {{"skipped", false}, {"error", libtorch_error}},
+               fmt::format("LibTorch run failed: {}", libtorch_error));
+  }
+
+  Json comparison = Json::array();
+  if (want_chain) {
+    Row row = overhead_row("LibTorch 1.13 (own process)", 1.0 / kOverheadTargetMax);
+    if (!mismatch.empty()) {
+      row.error = mismatch;
+    } else {
+      const LibTorchSetting& best = best_setting(chain_settings);
+      row.baseline = "LibTorch 1.13, " + best.label;
+      row.timing = pair_over_rounds(
+          rounds_of([](const TandemRound& r) { return r.chain.total_s; }),
+          tandem_rounds.front().chain.reps, best);
+      comparison.push_back({{"what", "per-op overhead (forward+backward)"},
+                            {"tandem_ns_per_op", row.timing.tandem.median_s * per_op},
+                            {"libtorch_ns_per_op", row.timing.baseline.median_s * per_op},
+                            {"tandem_over_libtorch", 1.0 / row.timing.ratio},
+                            {"target_max", kOverheadTargetMax},
+                            {"pass", 1.0 / row.timing.ratio <= kOverheadTargetMax}});
+    }
+    report.add(std::move(row));
+  }
+  if (want_block) {
+    for (int threads : kThreadSettings) {
+      Row row = block_row(threads, "LibTorch 1.13 best setting");
+      if (!mismatch.empty()) {
+        row.error = mismatch;
+      } else {
+        const LibTorchSetting& best = best_setting(block_settings);
+        row.baseline = "LibTorch best: " + best.label;
+        row.timing = pair_over_rounds(
+            rounds_of([&](const TandemRound& r) { return r.block.at(threads).total_s; }), 1,
+            best);
+        comparison.push_back({{"what", fmt::format("block step, tandem at {} threads", threads)},
+                              {"tandem_ms", row.timing.tandem.median_s * 1e3},
+                              {"libtorch_best_ms", row.timing.baseline.median_s * 1e3},
+                              {"libtorch_best_setting", best.label},
+                              {"tandem_over_libtorch", 1.0 / row.timing.ratio},
+                              {"target_max", kBlockTargetMax},
+                              {"pass", 1.0 / row.timing.ratio <= kBlockTargetMax}});
+      }
+      report.add(std::move(row));
+    }
+  }
+  std::string text = "\ntandem / LibTorch (median over rounds of the per-round ratio):";
+  for (const Json& c : comparison) {
+    text += fmt::format("\n  {}: {:.3f} (target <= {:.2f}) {}", c.at("what").get<std::string>(),
+                        c.at("tandem_over_libtorch").get<double>(),
+                        c.at("target_max").get<double>(), c.at("pass").get<bool>() ? "PASS" : "MISS");
+  }
+  report.set("comparison", std::move(comparison), text);
+}
+
+}  // namespace
+
+int run_autograd(const Options& options) {
+  TimingConfig config = timing_config(options);
+  Report report("autograd", options, config);
+  const CompareConfig compare = compare_config(options);
+  report.set("workload",
+             {{"chain", fmt::format("{} ops (mul 0.9, add, tanh) on a ({}) f32 leaf, then sum",
+                                    kChainOps, kChainNumel)},
+              {"block", fmt::format("pre-norm causal attention + SwiGLU (hidden {}), B={} S={} "
+                                    "d={} heads={}, f32, loss = mean",
+                                    kHidden, kBatch, kSeq, kModel, kHeads)},
+              {"libtorch_rounds", compare.rounds},
+              {"chain_trials", compare.chain_trials},
+              {"block_trials", compare.block_trials}},
+             fmt::format("chain: {} ops on {} elements (times per chain: 1 ms = 1 us/op); block: "
+                         "B={} S={} d={} heads={} hidden={}",
+                         kChainOps, kChainNumel, kBatch, kSeq, kModel, kHeads, kHidden));
+  Json tandem_json = Json::object();
+  bench_overhead_vs_ops(report, config, tandem_json);
+  bench_against_libtorch(report, options, tandem_json);
+  report.set("tandem", std::move(tandem_json), "");
+  return report.finish();
+}
+
 }  // namespace tandem::bench
