@@ -62,11 +62,13 @@ std::vector<Step> make_plan(const Placements& from, const Placements& to) {
   std::vector<Step> steps;
   // Shards that keep their place but sit inside a shard that will be newly
   // made at an outer mesh dim must be gathered first (canonical nesting).
+  // Likewise an inner shard of a dim whose outer shard is about to change.
   std::vector<bool> regather(static_cast<size_t>(n), false);
   for (int m2 = 0; m2 < n; ++m2) {
     if (!cur[m2].is_shard()) continue;
     for (int m = 0; m < m2; ++m) {
-      if (to[m].is_shard(cur[m2].dim) && cur[m] != to[m]) regather[m2] = true;
+      if (cur[m] == to[m]) continue;
+      if (to[m].is_shard(cur[m2].dim) || cur[m].is_shard(cur[m2].dim)) regather[m2] = true;
     }
   }
   for (int m = n - 1; m >= 0; --m) {
@@ -87,9 +89,15 @@ std::vector<Step> make_plan(const Placements& from, const Placements& to) {
                  "[parallel::redistribute] expected Partial({}) to become Replicate or Shard, got "
                  "{} on mesh dim {} (partial ops cannot be converted)",
                  red_op_name(cur[m].op), to[m].str(), m);
-    bool later_shards_same = false;
-    for (int m2 = m + 1; m2 < n; ++m2) later_shards_same |= to[m].is_shard() && cur[m2].is_shard(to[m].dim);
-    if (to[m].is_shard() && !later_shards_same && cur[m].op != RedOp::Avg) {
+    // A reduce-scatter makes the shard at this level now: only valid when no
+    // inner mesh dim shards that tensor dim yet and every outer one that will
+    // shard it already does (canonical nesting); else all-reduce, chunk later.
+    bool nesting_ok = to[m].is_shard();
+    for (int m2 = 0; m2 < n && nesting_ok; ++m2) {
+      if (m2 > m && cur[m2].is_shard(to[m].dim)) nesting_ok = false;
+      if (m2 < m && to[m2].is_shard(to[m].dim) && cur[m2] != to[m2]) nesting_ok = false;
+    }
+    if (nesting_ok && cur[m].op != RedOp::Avg) {
       steps.push_back({Step::Kind::ReduceScatter, m, to[m].dim, 0, cur[m].op});
       cur[m] = to[m];
     } else {
@@ -252,6 +260,10 @@ Tensor execute(const Tensor& local, const Shape& global, const Placements& from,
   for (const Step& s : cached_plan(from, to)) {
     x = run_step(s, x, global, cur, mesh);
     cur = apply_step(cur, s);
+    TANDEM_INTERNAL_ASSERT(x.shape() == DTensor::local_shape_for(global, cur, mesh),
+                           "redistribute {} -> {}: after {} the local shape is {}, expected {}",
+                           placements_str(from), placements_str(to), s.str(), x.shape(),
+                           DTensor::local_shape_for(global, cur, mesh));
   }
   return x;
 }

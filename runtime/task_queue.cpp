@@ -1,75 +1,108 @@
 #include "runtime/task_queue.h"
 
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+
 #include "runtime/config.h"
 #include "runtime/error.h"
 
 namespace tandem {
 
-TaskQueue::TaskQueue(std::string name) : name_(std::move(name)), thread_([this] { loop(); }) {}
+struct TaskQueue::State {
+  struct Task {
+    std::function<void()> fn;
+    bool always_run;
+  };
+  std::string name;
+  std::mutex mu;
+  std::condition_variable cv_work;
+  std::condition_variable cv_done;
+  std::deque<Task> tasks;
+  uint64_t pushed = 0;
+  uint64_t finished = 0;
+  std::exception_ptr error;
+  bool stop = false;
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu);
+    for (;;) {
+      cv_work.wait(lock, [&] { return stop || !tasks.empty(); });
+      if (tasks.empty()) return;  // stop and drained
+      Task task = std::move(tasks.front());
+      tasks.pop_front();
+      bool skip = error != nullptr && !task.always_run;
+      lock.unlock();
+      std::exception_ptr failure;
+      if (!skip) {
+        try {
+          task.fn();
+        } catch (...) {
+          failure = std::current_exception();
+        }
+      }
+      task.fn = nullptr;  // release captured storage before reporting completion
+      lock.lock();
+      if (failure && !error) error = failure;
+      ++finished;
+      cv_done.notify_all();
+    }
+  }
+};
+
+TaskQueue::TaskQueue(std::string name) : state_(std::make_shared<State>()) {
+  state_->name = std::move(name);
+  std::shared_ptr<State> state = state_;
+  thread_ = std::thread([state] { state->loop(); });
+}
 
 TaskQueue::~TaskQueue() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->stop = true;
   }
-  cv_work_.notify_all();
-  thread_.join();
+  state_->cv_work.notify_all();
+  if (thread_.get_id() == std::this_thread::get_id()) {
+    thread_.detach();  // destroyed by one of our own tasks: the thread finishes alone
+  } else {
+    thread_.join();
+  }
 }
 
 void TaskQueue::push(std::function<void()> task, bool always_run) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    tasks_.push_back(Task{std::move(task), always_run});
-    ++pushed_;
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->tasks.push_back(State::Task{std::move(task), always_run});
+    ++state_->pushed;
   }
-  cv_work_.notify_one();
-}
-
-void TaskQueue::loop() {
-  std::unique_lock<std::mutex> lock(mu_);
-  for (;;) {
-    cv_work_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
-    if (tasks_.empty()) return;  // stop_ and drained
-    Task task = std::move(tasks_.front());
-    tasks_.pop_front();
-    bool skip = error_ != nullptr && !task.always_run;
-    lock.unlock();
-    std::exception_ptr failure;
-    if (!skip) {
-      try {
-        task.fn();
-      } catch (...) {
-        failure = std::current_exception();
-      }
-    }
-    task.fn = nullptr;  // release captured storage before reporting completion
-    lock.lock();
-    if (failure && !error_) error_ = failure;
-    ++finished_;
-    cv_done_.notify_all();
-  }
+  state_->cv_work.notify_one();
 }
 
 void TaskQueue::synchronize() {
-  std::unique_lock<std::mutex> lock(mu_);
-  uint64_t target = pushed_;
-  bool done = cv_done_.wait_for(lock, wait_timeout(), [&] { return finished_ >= target; });
+  State& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mu);
+  uint64_t target = s.pushed;
+  bool done = s.cv_done.wait_for(lock, wait_timeout(), [&] { return s.finished >= target; });
   if (!done) {
     throw TimeoutError(fmt::format(
         "[runtime::TaskQueue] synchronize on '{}' expected {} tasks to finish within {} ms, "
         "got {} finished ({} still queued)",
-        name_, target, wait_timeout().count(), finished_, tasks_.size()));
+        s.name, target, wait_timeout().count(), s.finished, s.tasks.size()));
   }
-  if (error_) {
-    std::exception_ptr e = error_;
-    error_ = nullptr;
+  if (s.error) {
+    std::exception_ptr e = s.error;
+    s.error = nullptr;
     std::rethrow_exception(e);
   }
 }
 
 bool TaskQueue::idle() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return finished_ == pushed_;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->finished == state_->pushed;
 }
+
+const std::string& TaskQueue::name() const { return state_->name; }
 
 }  // namespace tandem

@@ -1,19 +1,20 @@
 // TaskQueue: a FIFO of closures run in order by one dedicated thread. The
-// executor behind async CPU streams and behind Worker.
+// executor behind async CPU streams, Worker and the comm backends.
 //
 // Error policy (like a sticky CUDA error): the first exception a task throws is
 // captured; later ordinary tasks are skipped until the error is taken by
 // synchronize(), which rethrows it on the caller. Tasks pushed with
 // `always_run` (event completions) run even then, so that a failure upstream
 // can never leave another stream waiting forever.
+//
+// The queue's state is shared with its thread, so the owner may be destroyed
+// from inside one of its own tasks (a task holding the last reference to the
+// object that owns the queue): the thread then finishes the remaining tasks on
+// its own and exits, instead of joining itself.
 #pragma once
 
-#include <condition_variable>
-#include <cstdint>
-#include <deque>
-#include <exception>
+#include <memory>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <thread>
 
@@ -22,7 +23,7 @@ namespace tandem {
 class TaskQueue {
  public:
   explicit TaskQueue(std::string name);
-  ~TaskQueue();  // drains outstanding tasks, joins; never throws
+  ~TaskQueue();  // drains outstanding tasks, joins (or detaches, see above); never throws
   TaskQueue(const TaskQueue&) = delete;
   TaskQueue& operator=(const TaskQueue&) = delete;
 
@@ -32,25 +33,13 @@ class TaskQueue {
   void synchronize();
   // True when nothing is queued or running.
   bool idle() const;
-  const std::string& name() const { return name_; }
+  const std::string& name() const;
   std::thread::id thread_id() const { return thread_.get_id(); }
 
- private:
-  struct Task {
-    std::function<void()> fn;
-    bool always_run;
-  };
-  void loop();
+  struct State;
 
-  std::string name_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_work_;
-  std::condition_variable cv_done_;
-  std::deque<Task> tasks_;
-  uint64_t pushed_ = 0;
-  uint64_t finished_ = 0;
-  std::exception_ptr error_;
-  bool stop_ = false;
+ private:
+  std::shared_ptr<State> state_;
   std::thread thread_;
 };
 

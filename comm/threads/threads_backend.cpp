@@ -43,7 +43,7 @@ struct SharedGroup {
   SharedGroup(std::string group_name, std::vector<int> world_members)
       : name(std::move(group_name)), size(static_cast<int>(world_members.size())),
         members(std::move(world_members)), slots(static_cast<size_t>(size)),
-        arrived_mask(static_cast<size_t>(size), false) {}
+        arrived_mask(static_cast<size_t>(size), false), exit_reasons(static_cast<size_t>(size)) {}
 
   std::string name;
   int size;
@@ -56,6 +56,11 @@ struct SharedGroup {
   std::vector<bool> arrived_mask;
   bool aborted = false;
   std::string abort_reason;
+  // Members whose rank function returned (by group rank; empty = still
+  // running). No collective can complete once one has gone, but p2p between
+  // the others still can, so an exit is not an abort.
+  std::vector<std::string> exit_reasons;
+  int first_exited = -1;
   std::map<std::tuple<int, int, int>, std::deque<Message>> mail;  // (src, dst, tag)
 
   void abort(const std::string& reason) {
@@ -73,6 +78,17 @@ struct SharedGroup {
     throw CommAbortedError(
         fmt::format("[comm] {} failed: group '{}' was aborted: {}", who, name, abort_reason));
   }
+  void member_exited(int group_rank, const std::string& reason) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (exit_reasons[group_rank].empty()) exit_reasons[group_rank] = reason;
+    if (first_exited < 0) first_exited = group_rank;
+    cv.notify_all();
+  }
+  bool exited(int group_rank) const { return !exit_reasons[group_rank].empty(); }
+  [[noreturn]] void throw_exited(const std::string& who, int group_rank) {
+    throw CommAbortedError(fmt::format("[comm] {} failed: in group '{}', {}", who, name,
+                                       exit_reasons[group_rank]));
+  }
 };
 
 class ThreadsWorld {
@@ -85,20 +101,21 @@ class ThreadsWorld {
     if (!g) {
       g = std::make_shared<SharedGroup>(name, members);
       if (aborted_) g->abort(reason_);
-      for (int r : members) {
-        if (exited_.count(r)) g->abort(exit_reason(r));
+      for (size_t i = 0; i < members.size(); ++i) {
+        if (exited_.count(members[i])) g->member_exited(static_cast<int>(i), exit_reason(members[i]));
       }
     }
     return g;
   }
-  // A rank whose function returned can never join another collective: fail
-  // every group it belongs to at once instead of letting its peers time out.
+  // A rank whose function returned can never join another collective nor
+  // p2p: its peers' calls that need it fail at once instead of timing out.
   void rank_exited(int rank) {
     std::lock_guard<std::mutex> lock(mu_);
     exited_.insert(rank);
     for (auto& [key, g] : groups_) {
-      if (std::find(g->members.begin(), g->members.end(), rank) != g->members.end()) {
-        g->abort(exit_reason(rank));
+      auto it = std::find(g->members.begin(), g->members.end(), rank);
+      if (it != g->members.end()) {
+        g->member_exited(static_cast<int>(it - g->members.begin()), exit_reason(rank));
       }
     }
   }
@@ -145,11 +162,14 @@ class ThreadsProcessGroup final : public ProcessGroup {
 
  protected:
   void launch(Collective& c) override {
-    auto self = std::static_pointer_cast<ThreadsProcessGroup>(shared_from_this());
+    // The task holds `this`, not a shared_ptr: the destructor drains the queue
+    // before any member goes, and a task owning the group would run that
+    // destructor on the queue's own thread when the caller let go first
+    // (joining itself: std::system_error, terminate).
     LogContext context = current_log_context();
-    queue_->push([self, c, context]() mutable {
+    queue_->push([this, c, context]() mutable {
       set_log_context(context);
-      self->execute(c);
+      execute(c);
     });
   }
 
@@ -201,7 +221,9 @@ class ThreadsProcessGroup final : public ProcessGroup {
   void arrive(const Collective& c, const char* phase) {
     SharedGroup& g = *shared_;
     std::unique_lock<std::mutex> lock(g.mu);
-    if (g.aborted) g.throw_aborted(fmt::format("rank {} at #{} {}", rank(), c.entry.seq, collective_name(c.kind)));
+    std::string who = fmt::format("rank {} at #{} {}", rank(), c.entry.seq, collective_name(c.kind));
+    if (g.aborted) g.throw_aborted(who);
+    if (g.first_exited >= 0) g.throw_exited(who, g.first_exited);
     uint64_t gen = g.generation;
     g.arrived_mask[rank()] = true;
     if (++g.arrived == g.size) {
@@ -211,7 +233,10 @@ class ThreadsProcessGroup final : public ProcessGroup {
       g.cv.notify_all();
       return;
     }
-    if (!g.cv.wait_for(lock, timeout(), [&] { return g.generation != gen || g.aborted; })) {
+    // A member that exited has drained its own collectives, so it can
+    // never arrive here.
+    auto released = [&] { return g.generation != gen || g.aborted || g.first_exited >= 0; };
+    if (!g.cv.wait_for(lock, timeout(), released)) {
       std::vector<int> arrived_ranks, missing_ranks;
       for (int r = 0; r < g.size; ++r) (g.arrived_mask[r] ? arrived_ranks : missing_ranks).push_back(r);
       std::string arrived = fmt::format("{}", fmt::join(arrived_ranks, ","));
@@ -227,7 +252,8 @@ class ThreadsProcessGroup final : public ProcessGroup {
       throw TimeoutError(report);
     }
     if (g.generation == gen) {
-      g.throw_aborted(fmt::format("rank {} at #{} {}", rank(), c.entry.seq, collective_name(c.kind)));
+      if (g.aborted) g.throw_aborted(who);
+      g.throw_exited(who, g.first_exited);
     }
   }
 

@@ -300,11 +300,6 @@ struct TandemRound {
   std::map<int, StepTimes> block;  // by threads
 };
 
-struct LibTorchRun {
-  std::string policy;  // "unset" or "passive"
-  Json json;
-};
-
 std::string shell_quote(const std::string& s) {
   std::string q = "'";
   for (char ch : s)
@@ -501,8 +496,55 @@ Json measure_block_memory(BlockWorkload& block, std::string& text) {
   return memory;
 }
 
+// Tandem's figures from the rounds: notes and the "tandem" JSON field.
+std::vector<std::string> summarize_tandem(const std::vector<TandemRound>& rounds, bool want_chain,
+                                          bool want_block, Json& tandem_json) {
+  std::vector<std::string> notes;
+  const double per_op = 1e9 / kChainOps;
+  auto median_over_rounds = [&](auto get) {
+    std::vector<double> v;
+    for (const TandemRound& r : rounds)
+      v.push_back(get(r));
+    return median_of(v);
+  };
+  if (want_chain) {
+    double total = median_over_rounds([](const TandemRound& r) { return r.chain.total_s; });
+    double fwd = median_over_rounds([](const TandemRound& r) { return r.chain.forward_s; });
+    double bwd = median_over_rounds([](const TandemRound& r) { return r.chain.backward_s; });
+    tandem_json["autograd_ns_per_op"] = total * per_op;
+    tandem_json["autograd_forward_ns_per_op"] = fwd * per_op;
+    tandem_json["autograd_backward_ns_per_op"] = bwd * per_op;
+    std::string raw;
+    if (tandem_json.contains("raw_ops_forward_ns_per_op")) {
+      raw = fmt::format("; raw tandem::ops forward only: {:.0f} ns",
+                        tandem_json["raw_ops_forward_ns_per_op"].get<double>());
+    }
+    notes.push_back(
+        fmt::format("tandem per op, forward+backward: {:.0f} ns (forward {:.0f}, backward {:.0f}){}",
+                    total * per_op, fwd * per_op, bwd * per_op, raw));
+  }
+  if (want_block) {
+    Json steps = Json::object();
+    for (int threads : kThreadSettings) {
+      auto get = [&](double StepTimes::*field) {
+        return median_over_rounds([&](const TandemRound& r) { return r.block.at(threads).*field; });
+      };
+      double total = get(&StepTimes::total_s);
+      double fwd = get(&StepTimes::forward_s);
+      double bwd = get(&StepTimes::backward_s);
+      steps[std::to_string(threads)] = {
+          {"step_ms", total * 1e3}, {"forward_ms", fwd * 1e3}, {"backward_ms", bwd * 1e3}};
+      notes.push_back(
+          fmt::format("tandem block step, {} thread{}: {:.1f} ms (forward {:.1f}, backward {:.1f})",
+                      threads, threads == 1 ? "" : "s", total * 1e3, fwd * 1e3, bwd * 1e3));
+    }
+    tandem_json["block_step"] = std::move(steps);
+  }
+  return notes;
+}
+
 // The rounds of Note [LibTorch rounds]; without the LibTorch program, only
-// tandem's figures (as notes and JSON fields).
+// tandem's figures (notes and the "tandem" JSON field).
 void bench_against_libtorch(Report& report, const Options& options, Json& tandem_json) {
   const CompareConfig config = compare_config(options);
   const bool want_chain = report.wants(overhead_row("LibTorch", 0));
@@ -516,7 +558,7 @@ void bench_against_libtorch(Report& report, const Options& options, Json& tandem
   ChainWorkload chain;
   BlockWorkload block;
   std::vector<TandemRound> tandem_rounds;
-  std::vector<std::vector<LibTorchRun>> libtorch_rounds;
+  std::vector<std::vector<Json>> libtorch_rounds;  // [round][policy]
   std::string libtorch_error;
 
   auto run_tandem = [&] {
@@ -538,21 +580,19 @@ void bench_against_libtorch(Report& report, const Options& options, Json& tandem
     tandem_rounds.push_back(std::move(r));
   };
   auto run_libtorch_round = [&](bool reversed) {
-    std::vector<LibTorchRun> runs;
+    std::vector<Json> runs(policies.size());
     for (size_t i = 0; i < policies.size(); ++i) {
-      const std::string& policy = policies[reversed ? policies.size() - 1 - i : i];
-      runs.push_back({policy, run_libtorch(program, policy, config)});
+      size_t p = reversed ? policies.size() - 1 - i : i;
+      runs[p] = run_libtorch(program, policies[p], config);
     }
-    std::sort(runs.begin(), runs.end(),
-              [](const auto& a, const auto& b) { return a.policy > b.policy; });  // unset first
     libtorch_rounds.push_back(std::move(runs));
   };
 
   report.note(program.empty()
-                  ? fmt::format("\nmeasuring tandem ({} rounds); LibTorch comparison skipped: {}",
-                                config.rounds, why_not)
-                  : fmt::format("\nalternating tandem and {} (OMP_WAIT_POLICY unset / passive), "
-                                "{} rounds ...",
+                  ? fmt::format("\nmeasuring tandem ({} rounds); LibTorch comparison skipped",
+                                config.rounds)
+                  : fmt::format("\nalternating tandem and {} (OMP_WAIT_POLICY unset, passive) "
+                                "for {} rounds ...",
                                 kLibTorchProgram, config.rounds));
   for (int round = 0; round < config.rounds; ++round) {
     bool tandem_first = round % 2 == 0;
@@ -566,60 +606,27 @@ void bench_against_libtorch(Report& report, const Options& options, Json& tandem
     }
     if (!tandem_first) run_tandem();
   }
-
-  // Tandem's own figures.
-  const double per_op = 1e9 / kChainOps;
-  auto rounds_of = [&](auto get) {
-    std::vector<double> v;
-    for (const TandemRound& r : tandem_rounds)
-      v.push_back(get(r));
-    return v;
-  };
-  if (want_chain) {
-    double total = median_of(rounds_of([](const TandemRound& r) { return r.chain.total_s; }));
-    double fwd = median_of(rounds_of([](const TandemRound& r) { return r.chain.forward_s; }));
-    double bwd = median_of(rounds_of([](const TandemRound& r) { return r.chain.backward_s; }));
-    tandem_json["autograd_ns_per_op"] = total * per_op;
-    tandem_json["autograd_forward_ns_per_op"] = fwd * per_op;
-    tandem_json["autograd_backward_ns_per_op"] = bwd * per_op;
-    report.note(fmt::format(
-        "tandem per op (forward+backward): {:.0f} ns (forward {:.0f}, backward {:.0f}); raw "
-        "tandem::ops forward: {:.0f} ns",
-        total * per_op, fwd * per_op, bwd * per_op,
-        tandem_json.value("raw_ops_forward_ns_per_op", std::nan(""))));
-  }
+  std::vector<std::string> notes = summarize_tandem(tandem_rounds, want_chain, want_block,
+                                                    tandem_json);
   if (want_block) {
-    Json steps = Json::object();
-    for (int threads : kThreadSettings) {
-      auto get = [&](auto field) {
-        return median_of(rounds_of([&](const TandemRound& r) { return r.block.at(threads).*field; }));
-      };
-      double total = get(&StepTimes::total_s);
-      double fwd = get(&StepTimes::forward_s);
-      double bwd = get(&StepTimes::backward_s);
-      steps[std::to_string(threads)] = {
-          {"step_ms", total * 1e3}, {"forward_ms", fwd * 1e3}, {"backward_ms", bwd * 1e3}};
-      report.note(fmt::format(
-          "tandem block step, {} thread{}: {:.1f} ms (forward {:.1f}, backward {:.1f})", threads,
-          threads == 1 ? "" : "s", total * 1e3, fwd * 1e3, bwd * 1e3));
-    }
-    tandem_json["block_step"] = std::move(steps);
     std::string text;
-    Json memory = measure_block_memory(block, text);
-    tandem_json["block_memory"] = std::move(memory);
-    report.note(text);
+    tandem_json["block_memory"] = measure_block_memory(block, text);
+    notes.push_back(text);
   }
 
   if (program.empty()) {
+    for (const std::string& line : notes)
+      report.note(line);
     report.set("libtorch", {{"skipped", true}, {"reason", why_not}},
                fmt::format("LibTorch comparison skipped: {}", why_not));
     return;
   }
 
-  // Correctness first: same loss and gradients as LibTorch from the same bits.
+  // Correctness first: the same loss and gradients as LibTorch from the same
+  // bits, else the rows report the mismatch instead of a ratio.
   std::string mismatch = libtorch_error;
   if (mismatch.empty()) {
-    const Json& check = libtorch_rounds.front().front().json.at("check");
+    const Json& check = libtorch_rounds.front().front().at("check");
     if (want_chain) {
       std::string m = compare(chain.check(), json_floats(check.at("chain")), 1e-4, 1e-6);
       if (!m.empty()) mismatch = "chain (output, gradient sum): " + m;
@@ -630,41 +637,42 @@ void bench_against_libtorch(Report& report, const Options& options, Json& tandem
     }
   }
 
-  // Settings: chain per wait policy; block per wait policy and thread count.
+  // Settings: the chain per wait policy; the block per wait policy and threads.
+  const double per_op = 1e9 / kChainOps;
   std::vector<LibTorchSetting> chain_settings, block_settings;
   Json libtorch_json = {{"skipped", false}, {"program", program}};
+  std::string libtorch_text;
   if (libtorch_error.empty()) {
-    const Json& first = libtorch_rounds.front().front().json;
+    const Json& first = libtorch_rounds.front().front();
     libtorch_json["torch_version"] = first.value("torch_version", "");
     libtorch_json["blas_threads"] = first.value("blas_threads", "");
     for (size_t p = 0; p < policies.size(); ++p) {
       LibTorchSetting c{fmt::format("OMP_WAIT_POLICY {}", policies[p]), {}};
       for (const auto& runs : libtorch_rounds)
-        c.per_round.push_back(libtorch_seconds(runs[p].json, "chain", 0));
-      chain_settings.push_back(std::move(c));
+        c.per_round.push_back(libtorch_seconds(runs[p], "chain", 0));
+      if (want_chain) chain_settings.push_back(std::move(c));
       for (int threads : kThreadSettings) {
         LibTorchSetting s{fmt::format("{} thr, OMP_WAIT_POLICY {}", threads, policies[p]), {}};
         for (const auto& runs : libtorch_rounds)
-          s.per_round.push_back(libtorch_seconds(runs[p].json, "block", threads));
-        block_settings.push_back(std::move(s));
+          s.per_round.push_back(libtorch_seconds(runs[p], "block", threads));
+        if (want_block) block_settings.push_back(std::move(s));
       }
     }
     Json medians = Json::object();
-    for (const auto& s : chain_settings) {
+    for (const auto& s : chain_settings)
       medians["chain ns/op, " + s.label] = median_of(s.per_round) * per_op;
-      const Json& lt_chain = libtorch_rounds.front().front().json.at("chain");
-      (void)lt_chain;
-    }
     for (const auto& s : block_settings)
       medians["block step ms, " + s.label] = median_of(s.per_round) * 1e3;
-    libtorch_json["medians_over_rounds"] = medians;
-    std::string text = "LibTorch medians over rounds:";
+    libtorch_text = fmt::format("\nLibTorch {} ({}), medians over rounds:",
+                                libtorch_json["torch_version"].get<std::string>(),
+                                libtorch_json["blas_threads"].get<std::string>());
     for (const auto& [key, value] : medians.items())
-      text += fmt::format("\n  {}: {:.1f}", key, value.get<double>());
-    report.set("libtorch", std::move(libtorch_json), text);
+      libtorch_text += fmt::format("\n  {}: {:.1f}", key, value.get<double>());
+    libtorch_json["medians_over_rounds"] = std::move(medians);
+    libtorch_json["rounds"] = libtorch_rounds;
   } else {
-    report.set("libtorch", {{"skipped", false}, {"error", libtorch_error}},
-               fmt::format("LibTorch run failed: {}", libtorch_error));
+    libtorch_json["error"] = libtorch_error;
+    libtorch_text = fmt::format("LibTorch run failed: {}", libtorch_error);
   }
 
   Json comparison = Json::array();
@@ -674,16 +682,19 @@ void bench_against_libtorch(Report& report, const Options& options, Json& tandem
       row.error = mismatch;
     } else {
       const LibTorchSetting& best = best_setting(chain_settings);
-      row.baseline = "LibTorch 1.13, " + best.label;
-      row.timing = pair_over_rounds(
-          rounds_of([](const TandemRound& r) { return r.chain.total_s; }),
-          tandem_rounds.front().chain.reps, best);
-      comparison.push_back({{"what", "per-op overhead (forward+backward)"},
-                            {"tandem_ns_per_op", row.timing.tandem.median_s * per_op},
-                            {"libtorch_ns_per_op", row.timing.baseline.median_s * per_op},
-                            {"tandem_over_libtorch", 1.0 / row.timing.ratio},
+      row.baseline = "LibTorch, " + best.label;
+      std::vector<double> tandem_s;
+      for (const TandemRound& r : tandem_rounds)
+        tandem_s.push_back(r.chain.total_s);
+      row.timing = pair_over_rounds(tandem_s, tandem_rounds.front().chain.reps, best);
+      double over = 1.0 / row.timing.ratio;
+      comparison.push_back({{"what", "per-op overhead, forward+backward"},
+                            {"tandem_ns_per_op", median_of(tandem_s) * per_op},
+                            {"libtorch_ns_per_op", median_of(best.per_round) * per_op},
+                            {"libtorch_setting", best.label},
+                            {"tandem_over_libtorch", over},
                             {"target_max", kOverheadTargetMax},
-                            {"pass", 1.0 / row.timing.ratio <= kOverheadTargetMax}});
+                            {"pass", over <= kOverheadTargetMax}});
     }
     report.add(std::move(row));
   }
@@ -694,27 +705,37 @@ void bench_against_libtorch(Report& report, const Options& options, Json& tandem
         row.error = mismatch;
       } else {
         const LibTorchSetting& best = best_setting(block_settings);
-        row.baseline = "LibTorch best: " + best.label;
-        row.timing = pair_over_rounds(
-            rounds_of([&](const TandemRound& r) { return r.block.at(threads).total_s; }), 1,
-            best);
-        comparison.push_back({{"what", fmt::format("block step, tandem at {} threads", threads)},
-                              {"tandem_ms", row.timing.tandem.median_s * 1e3},
-                              {"libtorch_best_ms", row.timing.baseline.median_s * 1e3},
-                              {"libtorch_best_setting", best.label},
-                              {"tandem_over_libtorch", 1.0 / row.timing.ratio},
+        row.baseline = "LibTorch, " + best.label;
+        std::vector<double> tandem_s;
+        for (const TandemRound& r : tandem_rounds)
+          tandem_s.push_back(r.block.at(threads).total_s);
+        row.timing = pair_over_rounds(tandem_s, 1, best);
+        double over = 1.0 / row.timing.ratio;
+        comparison.push_back({{"what", fmt::format("block step, tandem at {} thread{}", threads,
+                                                   threads == 1 ? "" : "s")},
+                              {"tandem_ms", median_of(tandem_s) * 1e3},
+                              {"libtorch_best_ms", median_of(best.per_round) * 1e3},
+                              {"libtorch_setting", best.label},
+                              {"tandem_over_libtorch", over},
                               {"target_max", kBlockTargetMax},
-                              {"pass", 1.0 / row.timing.ratio <= kBlockTargetMax}});
+                              {"pass", over <= kBlockTargetMax}});
       }
       report.add(std::move(row));
     }
   }
-  std::string text = "\ntandem / LibTorch (median over rounds of the per-round ratio):";
+
+  report.note("");
+  for (const std::string& line : notes)
+    report.note(line);
+  report.set("libtorch", std::move(libtorch_json), libtorch_text);
+  std::string text = "\ntandem / LibTorch, median over rounds of the per-round ratio:";
   for (const Json& c : comparison) {
     text += fmt::format("\n  {}: {:.3f} (target <= {:.2f}) {}", c.at("what").get<std::string>(),
                         c.at("tandem_over_libtorch").get<double>(),
-                        c.at("target_max").get<double>(), c.at("pass").get<bool>() ? "PASS" : "MISS");
+                        c.at("target_max").get<double>(),
+                        c.at("pass").get<bool>() ? "PASS" : "MISS");
   }
+  if (comparison.empty()) text.clear();
   report.set("comparison", std::move(comparison), text);
 }
 
