@@ -229,6 +229,23 @@ void Module::train(bool on) {
   for (auto& [name, child] : children_) child->train(on);
 }
 
+void Module::set_parameter(const std::string& name, const Tensor& value) {
+  for (auto& [n, t] : params_) {
+    if (n != name) continue;
+    *t = detach(value);
+    set_requires_grad(*t, true);
+    return;
+  }
+  TANDEM_FAIL("[nn::{}] expected one of its own parameters, got \"{}\"", type_name_, name);
+}
+
+std::shared_ptr<Module> Module::get_submodule(const std::string& path) {
+  for (auto& [name, m] : named_modules()) {
+    if (name == path) return m;
+  }
+  TANDEM_FAIL("[nn::{}] expected a submodule path, got \"{}\" (no such module)", type_name_, path);
+}
+
 void Module::zero_grad() {
   for (const Tensor& p : parameters()) tandem::zero_grad(p);
 }

@@ -98,6 +98,11 @@ class Module : public std::enable_shared_from_this<Module> {
   void eval() { train(false); }
   bool is_training() const { return training_; }
   void zero_grad();
+  // Replaces this module's own parameter `name` (not a dotted path) with
+  // `value`, keeping requires_grad: how parallel styles install local shards.
+  void set_parameter(const std::string& name, const Tensor& value);
+  // The module at a dotted path below this one ("" = this); error if absent.
+  std::shared_ptr<Module> get_submodule(const std::string& path);
 
   HookHandle register_forward_pre_hook(ForwardPreHook hook);
   HookHandle register_forward_hook(ForwardHook hook);

@@ -79,11 +79,12 @@ std::vector<Tensor> SelfAttention::forward(Args& args) {
   TANDEM_CHECK(x.dim() == 3 && x.shape()[2] == d_model_,
                "[nn::SelfAttention] expected x of shape (B, S, {}), got {}", d_model_, x.shape());
   const int64_t B = x.shape()[0], S = x.shape()[1];
-  Tensor q = reshape((*q_proj_)(x), Shape{B, S, n_heads_, head_dim_});
-  Tensor k = reshape((*k_proj_)(x), Shape{B, S, n_kv_heads_, head_dim_});
-  Tensor v = reshape((*v_proj_)(x), Shape{B, S, n_kv_heads_, head_dim_});
+  // Heads as -1: under tensor parallelism each rank holds a slice of them.
+  Tensor q = reshape((*q_proj_)(x), Shape{B, S, -1, head_dim_});
+  Tensor k = reshape((*k_proj_)(x), Shape{B, S, -1, head_dim_});
+  Tensor v = reshape((*v_proj_)(x), Shape{B, S, -1, head_dim_});
   Tensor attn = (*core_).call(Args{q, k, v})[0];  // (B, S, Hq, Dh)
-  return {(*o_proj_)(reshape(attn, Shape{B, S, n_heads_ * head_dim_}))};
+  return {(*o_proj_)(reshape(attn, Shape{B, S, -1}))};
 }
 
 }  // namespace tandem::nn

@@ -24,9 +24,11 @@ Linear::Linear(int64_t in_features, int64_t out_features, Generator& gen, bool b
 
 std::vector<Tensor> Linear::forward(Args& args) {
   const Tensor& x = single_input(args, "Linear");
-  TANDEM_CHECK(x.dim() >= 1 && x.shape().back() == in_features_,
-               "[nn::Linear] expected an input of shape (…, {}), got {}", in_features_, x.shape());
-  return {linear(x, weight_, bias_)};
+  // The weight's own extent: a tensor-parallel shard may hold fewer features.
+  const int64_t in = weight_.shape()[1];
+  TANDEM_CHECK(x.dim() >= 1 && x.shape().back() == in,
+               "[nn::Linear] expected an input of shape (…, {}), got {}", in, x.shape());
+  return {linear(x, weight_, bias_deferred_ ? Tensor() : bias_)};
 }
 
 Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator& gen, double init_std)

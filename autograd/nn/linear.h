@@ -21,6 +21,9 @@ class Linear final : public Module {
   int64_t out_features() const { return out_features_; }
   const Tensor& weight() const { return weight_; }
   const Tensor& bias() const { return bias_; }  // undefined without bias
+  // Row-parallel layers add the bias after the reduction themselves.
+  void set_bias_deferred(bool deferred) { bias_deferred_ = deferred; }
+  bool bias_deferred() const { return bias_deferred_; }
 
  protected:
   std::vector<Tensor> forward(Args& args) override;
@@ -30,6 +33,7 @@ class Linear final : public Module {
   int64_t out_features_;
   Tensor weight_;
   Tensor bias_;
+  bool bias_deferred_ = false;
 };
 
 // Lookup table (V, D): integer indices of any shape → (*indices, D).

@@ -1,4 +1,7 @@
-// CPU copy/cast, fill, arange and counter-based random fills.
+// CPU copy/cast, fill, arange and counter-based random fills. The fused
+// multiply-adds are explicit so results do not depend on -ffp-contract and
+// match the CUDA kernels bit for bit (Note [Random and arange rounding]).
+#include <cmath>
 #include <cstring>
 
 #include "tensor/cpu/loops.h"
@@ -66,7 +69,7 @@ void arange(const TensorArg& out, double start, double step) {
     using T = typename decltype(tag)::type;
     T* po = static_cast<T*>(out.data);
     for (int64_t i = 0; i < out.numel; ++i) {
-      po[i] = convert<T>(start + step * static_cast<double>(i));
+      po[i] = convert<T>(std::fma(step, static_cast<double>(i), start));
     }
   });
 }
@@ -80,11 +83,11 @@ void random(const TensorArg& out, RandomKind kind, uint64_t seed, uint64_t offse
       // In float (as on the GPU) so both devices round identically.
       const float lo = static_cast<float>(a), width = static_cast<float>(b - a);
       for (int64_t i = 0; i < out.numel; ++i) {
-        po[i] = convert<T>(lo + width * philox_uniform(offset, seed, i));
+        po[i] = convert<T>(std::fma(width, philox_uniform(offset, seed, i), lo));
       }
     } else {
       for (int64_t i = 0; i < out.numel; ++i) {
-        po[i] = convert<T>(a + b * philox_normal(offset, seed, i));
+        po[i] = convert<T>(std::fma(b, philox_normal(offset, seed, i), a));
       }
     }
   });

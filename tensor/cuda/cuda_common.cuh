@@ -1,9 +1,10 @@
 // Helpers shared by the CUDA kernels of tensor/cuda/ (one .cu per op family,
 // all declared by TANDEM_DECLARE_KERNELS in tensor/kernels.h).
 //
-// - StreamDeviceGuard: launches go to the device that owns the given stream, whatever
-//   the calling thread's current device is (ranks as threads may each drive
-//   their own GPU, and the caching allocator only sets the device on a miss).
+// - StreamDeviceGuard: launches go to the device that owns the given stream,
+//   whatever the calling thread's current CUDA device is (ranks as threads may
+//   each drive their own GPU; a kernel launched on another device's stream
+//   fails).
 // - Launch shape: grid-stride loops over int64 indices with a capped grid.
 // - Element conversions mirroring the CPU backend: 16-bit floats compute in
 //   float (acc_t), bool computes as int, stores round through the BFloat16/Half
@@ -41,8 +42,8 @@ inline cudaStream_t native(void* stream) {
 }
 
 // Grid size for a grid-stride loop over n items. Capping keeps the block count
-// within gridDim.x limits for any n; 2^16 blocks of 256 threads are ~128 waves
-// on an H200, so the cap never starves the GPU.
+// within gridDim.x limits for any n; 2^16 blocks of 256 threads are ~60 full
+// waves on an H200 (132 SMs x 8 such blocks), so the cap never starves it.
 inline unsigned blocks_for(int64_t n, int threads = kThreads) {
   int64_t blocks = (n + threads - 1) / threads;
   return static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, int64_t{1} << 16));
@@ -109,7 +110,7 @@ __device__ __forceinline__ To cast_to(V v) {
 }
 
 // Stores v into element i of a buffer whose dtype is known only at run time
-// (reductions whose output dtype differs from the input's). The switch is
+// (reduction outputs: the input's dtype, or i64 for the arg ops). The switch is
 // uniform across the grid, so it costs no divergence.
 template <class V>
 __device__ __forceinline__ void store_dyn(void* base, DType dtype, int64_t i, V v) {

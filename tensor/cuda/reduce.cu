@@ -141,7 +141,7 @@ __device__ void softmax_line(const T* in, T* out, int64_t r, int64_t inner, bool
     sum += detail::d_exp(load_as<V>(in[k * inner]) - m);
   if constexpr (kBlock) sum = detail::block_reduce(sum, shared, [](V a, V b) { return a + b; });
   const V shift = m + detail::d_log(sum);
-  const V inv = V(1) / sum;
+  const V inv = sum > V(0) ? V(1) / sum : V(0);  // a fully masked line gives zeros
   for (int64_t k = lane; k < r; k += lanes) {
     V x = load_as<V>(in[k * inner]);
     out[k * inner] = T(log ? x - shift : detail::d_exp(x - m) * inv);

@@ -1,0 +1,231 @@
+// Tensor parallelism and DTensor sharding propagation: every result is
+// compared with the same computation on full tensors on one rank.
+#include <catch2/catch.hpp>
+
+#include "autograd/nn/transformer.h"
+#include "autograd/ops.h"
+#include "comm/threads/threads_backend.h"
+#include "parallel/dtensor_ops.h"
+#include "parallel/tensor_parallel.h"
+
+using namespace tandem;
+
+namespace {
+
+bool close(const Tensor& a, const Tensor& b, double rtol = 1e-5, double atol = 1e-6) {
+  return a.shape() == b.shape() && ops::allclose(a, b, rtol, atol);
+}
+
+ParallelizePlan megatron_plan() {
+  return {{"attn.q_proj", colwise()}, {"attn.k_proj", colwise()}, {"attn.v_proj", colwise()},
+          {"attn.o_proj", rowwise()}, {"mlp.w1", colwise()},      {"mlp.w3", colwise()},
+          {"mlp.w2", rowwise()}};
+}
+
+// The local shard of a reference gradient under the style that owns `name`.
+Tensor expected_local_grad(const std::string& name, const Tensor& full, const DeviceMesh& mesh) {
+  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+  if (has("q_proj") || has("k_proj") || has("v_proj") || has("w1") || has("w3")) {
+    return DTensor::distribute(full, mesh, {Shard(0)}).to_local();
+  }
+  if (has("o_proj") || has("w2")) return DTensor::distribute(full, mesh, {Shard(1)}).to_local();
+  return full;
+}
+
+}  // namespace
+
+TEST_CASE("tensor-parallel transformer block equals the single-rank block", "[tp]") {
+  for (nn::NormKind norm : {nn::NormKind::Layer, nn::NormKind::Rms}) {
+    nn::TransformerBlockConfig cfg;
+    cfg.d_model = 32;
+    cfg.n_heads = 4;
+    cfg.n_kv_heads = 4;
+    cfg.hidden = 64;
+    cfg.causal = true;
+    cfg.norm = norm;
+    Generator data(7);
+    Tensor x = ops::randn({2, 8, 32}, data);
+    Generator init(1);
+    auto ref = std::make_shared<nn::TransformerBlock>(cfg, init);
+    Tensor xr = ops::clone(x);
+    set_requires_grad(xr);
+    Tensor yr = ref->call(Args{xr})[0];
+    backward(sum(mul(yr, yr)));
+    auto ref_params = ref->named_parameters();
+
+    for (int tp : {2, 4}) {
+      SECTION("tp=" + std::to_string(tp) + (norm == nn::NormKind::Layer ? " layer" : " rms")) {
+        std::vector<int> failures(static_cast<size_t>(tp), -1);
+        run_ranks(tp, [&](ProcessGroupPtr pg) {
+          DeviceMesh mesh(pg, {tp}, {"tp"});
+          Generator g(1);
+          auto block = std::make_shared<nn::TransformerBlock>(cfg, g);
+          parallelize_module(block, mesh, megatron_plan());
+          Tensor xl = ops::clone(x);
+          set_requires_grad(xl);
+          Tensor y = block->call(Args{xl})[0];
+          backward(sum(mul(y, y)));
+          int bad = 0;
+          bad += close(y, yr) ? 0 : 1;
+          bad += close(grad(xl), grad(xr), 1e-5, 1e-5) ? 0 : 1;
+          auto params = block->named_parameters();
+          for (size_t i = 0; i < params.size(); ++i) {
+            Tensor want = expected_local_grad(params[i].first, grad(ref_params[i].second), mesh);
+            bad += close(grad(params[i].second), want, 1e-5, 1e-5) ? 0 : 1;
+          }
+          failures[pg->rank()] = bad;
+        });
+        for (int f : failures) CHECK(f == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("column- then row-parallel linears with a bias", "[tp]") {
+  Generator data(3);
+  Tensor x = ops::randn({4, 6}, data);
+  Generator init(5);
+  auto a = std::make_shared<nn::Linear>(6, 8, init, true);
+  auto b = std::make_shared<nn::Linear>(8, 6, init, true);
+  Tensor xr = ops::clone(x);
+  set_requires_grad(xr);
+  Tensor yr = (*b)((*a)(xr));
+  backward(sum(mul(yr, yr)));
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {2}, {"tp"});
+    Generator g(5);
+    auto la = std::make_shared<nn::Linear>(6, 8, g, true);
+    auto lb = std::make_shared<nn::Linear>(8, 6, g, true);
+    colwise()->apply(*la, mesh);
+    rowwise()->apply(*lb, mesh);
+    Tensor xl = ops::clone(x);
+    set_requires_grad(xl);
+    Tensor y = (*lb)((*la)(xl));
+    backward(sum(mul(y, y)));
+    CHECK(close(y, yr));
+    CHECK(close(grad(xl), grad(xr), 1e-5, 1e-5));
+    CHECK(close(grad(la->bias()), DTensor::distribute(grad(a->bias()), mesh, {Shard(0)}).to_local()));
+    CHECK(close(grad(lb->bias()), grad(b->bias())));  // added once, after the reduction
+    CHECK(close(grad(lb->weight()),
+                DTensor::distribute(grad(b->weight()), mesh, {Shard(1)}).to_local(), 1e-5, 1e-6));
+  });
+}
+
+TEST_CASE("DTensor ops derive placements and match the full computation", "[tp][dtensor-ops]") {
+  Generator gen(11);
+  Tensor A = ops::randn({6, 4}, gen), B = ops::randn({4, 5}, gen), v = ops::randn({4}, gen);
+  Tensor w = ops::randn({4}, gen), bias = ops::randn({4}, gen);
+  Tensor table = ops::randn({7, 4}, gen);
+  // Every rank reads these; none draws random numbers of its own.
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {2}, {"tp"});
+    auto dist = [&](const Tensor& t, Placement p) { return DTensor::distribute(t, mesh, {p}); };
+
+    // Elementwise with broadcasting: a row-sharded matrix plus a replicated vector.
+    DTensor s = add(dist(A, Shard(0)), dist(v, Replicate()));
+    CHECK(s.placements()[0] == Shard(0));
+    CHECK(close(s.full_tensor(), ops::add(A, v)));
+    // Partial + Partial stays Partial; Partial * Replicate stays Partial.
+    DTensor p = add(dist(A, Partial()), dist(A, Partial()));
+    CHECK(p.placements()[0].is_partial());
+    CHECK(close(p.full_tensor(), ops::mul(A, 2.0)));
+    DTensor pm = mul(dist(A, Partial()), dist(v, Replicate()));
+    CHECK(pm.placements()[0].is_partial());
+    CHECK(close(pm.full_tensor(), ops::mul(A, v)));
+
+    // matmul rules.
+    DTensor m1 = matmul(dist(A, Shard(0)), dist(B, Replicate()));
+    CHECK(m1.placements()[0] == Shard(0));
+    DTensor m2 = matmul(dist(A, Replicate()), dist(B, Shard(1)));
+    CHECK(m2.placements()[0] == Shard(1));
+    DTensor m3 = matmul(dist(A, Shard(1)), dist(B, Shard(0)));
+    CHECK(m3.placements()[0].is_partial());
+    for (const DTensor& m : {m1, m2, m3}) CHECK(close(m.full_tensor(), ops::matmul(A, B)));
+    // No rule (row-sharded a with column-sharded b): b is gathered, result still right.
+    DTensor m4 = matmul(dist(A, Shard(0)), dist(B, Shard(1)));
+    CHECK(close(m4.full_tensor(), ops::matmul(A, B)));
+
+    // Reductions over a sharded dim become Partial; other shards are kept.
+    DTensor r1 = sum(dist(A, Shard(0)), {0});
+    CHECK(r1.placements()[0].is_partial());
+    CHECK(close(r1.full_tensor(), ops::sum(A, {0})));
+    DTensor r2 = mean(dist(A, Shard(0)), {1});
+    CHECK(r2.placements()[0] == Shard(0));
+    CHECK(close(r2.full_tensor(), ops::mean(A, {1})));
+    DTensor r3 = mean(dist(A, Shard(0)), {0});
+    CHECK(close(r3.full_tensor(), ops::mean(A, {0})));
+
+    // softmax and norms over the last dim: a shard of that dim is gathered first.
+    CHECK(close(softmax(dist(A, Shard(0)), -1).full_tensor(), ops::softmax(A, -1)));
+    DTensor sm = softmax(dist(A, Shard(1)), -1);
+    CHECK(sm.placements()[0].is_replicate());
+    CHECK(close(sm.full_tensor(), ops::softmax(A, -1)));
+    CHECK(close(layer_norm(dist(A, Shard(0)), dist(w, Replicate()), dist(bias, Replicate()))
+                    .full_tensor(),
+                ops::layer_norm(A, w, bias).out, 1e-5, 1e-5));
+    CHECK(close(rms_norm(dist(A, Shard(0)), dist(w, Replicate())).full_tensor(),
+                ops::rms_norm(A, w).out, 1e-5, 1e-5));
+
+    // Embedding: replicated table with sharded indices, column- and vocab-parallel tables.
+    Tensor idx = ops::from_vector<int64_t>({6, 0, 3, 3, 5, 1}, {6});
+    Tensor want = ops::embedding(table, idx);
+    DTensor e1 = embedding(dist(table, Replicate()), dist(idx, Shard(0)));
+    CHECK(e1.placements()[0] == Shard(0));
+    DTensor e2 = embedding(dist(table, Shard(1)), dist(idx, Replicate()));
+    CHECK(e2.placements()[0] == Shard(1));
+    DTensor e3 = embedding(dist(table, Shard(0)), dist(idx, Replicate()));
+    CHECK(e3.placements()[0].is_partial());
+    for (const DTensor& e : {e1, e2, e3}) CHECK(close(e.full_tensor(), want));
+
+    // reshape keeps a shard whose dim survives; transpose moves it.
+    DTensor t3 = DTensor::distribute(ops::reshape(A, {6, 2, 2}), mesh, {Shard(0)});
+    DTensor flat = reshape(t3, {6, 4});
+    CHECK(flat.placements()[0] == Shard(0));
+    CHECK(close(flat.full_tensor(), A));
+    DTensor tr = transpose(dist(A, Shard(0)), 0, 1);
+    CHECK(tr.placements()[0] == Shard(1));
+    CHECK(close(tr.full_tensor(), ops::transpose(A, 0, 1)));
+  });
+}
+
+TEST_CASE("gradients through DTensor ops follow the convention", "[tp][dtensor-ops]") {
+  Generator gen(13);
+  Tensor X = ops::randn({4, 6}, gen), W = ops::randn({6, 8}, gen);
+  Tensor xr = ops::clone(X), wr = ops::clone(W);
+  set_requires_grad(xr);
+  set_requires_grad(wr);
+  backward(sum(tandem::tanh(tandem::matmul(xr, wr))));
+  for (Placement pw : {Shard(0), Shard(1), Replicate()}) {
+    run_ranks(2, [&](ProcessGroupPtr pg) {
+      DeviceMesh mesh(pg, {2}, {"tp"});
+      Placement px = pw.is_shard(0) ? Shard(1) : Replicate();  // contract K when W is row-split
+      Tensor xl = DTensor::distribute(X, mesh, {px}).to_local();
+      Tensor wl = DTensor::distribute(W, mesh, {pw}).to_local();
+      set_requires_grad(xl);
+      set_requires_grad(wl);
+      DTensor x = DTensor::make(xl, mesh, {px}, X.shape());
+      DTensor w = DTensor::make(wl, mesh, {pw}, W.shape());
+      DTensor y = tanh(matmul(x, w));
+      Tensor full = y.full_tensor();
+      backward(sum(full));
+      // Each rank's loss is the whole loss; the gradients of the local pieces
+      // are the matching pieces of the full gradients.
+      CHECK(close(grad(xl), DTensor::distribute(grad(xr), mesh, {px}).to_local(), 1e-5, 1e-6));
+      CHECK(close(grad(wl), DTensor::distribute(grad(wr), mesh, {pw}).to_local(), 1e-5, 1e-6));
+    });
+  }
+}
+
+TEST_CASE("parallel styles reject what they cannot shard", "[tp]") {
+  run_ranks(2, [](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {2}, {"tp"});
+    Generator g(1);
+    auto norm = std::make_shared<nn::LayerNorm>(4);
+    REQUIRE_THROWS_WITH(colwise()->apply(*norm, mesh), Catch::Contains("expected an nn::Linear"));
+    auto lin = std::make_shared<nn::Linear>(4, 4, g);
+    REQUIRE_THROWS_WITH(parallelize_module(lin, mesh, {{"nope", colwise()}}),
+                        Catch::Contains("no such module"));
+    DeviceMesh mesh2(pg, {1, 2}, {"dp", "tp"});
+    REQUIRE_THROWS_WITH(colwise()->apply(*lin, mesh2), Catch::Contains("expected a 1-D mesh"));
+  });
+}

@@ -1,0 +1,431 @@
+#include "parallel/dtensor_ops.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "autograd/function.h"
+#include "autograd/ops.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
+
+namespace tandem {
+namespace {
+
+// Megatron's "f": identity forward, all-reduce of the gradient.
+struct AllReduceGrad final : Function {
+  ProcessGroupPtr group;
+  const char* name() const override { return "AllReduceGradBackward"; }
+  std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
+    return {in[0]};
+  }
+  std::vector<Tensor> backward(FunctionCtx&, const std::vector<Tensor>& g) override {
+    WorkPtr w = group->all_reduce(g[0], {RedOp::Sum, "f-grad"});
+    w->wait();
+    return {w->result()};
+  }
+};
+
+void check_same_mesh(const DTensor& a, const DTensor& b, const char* op) {
+  TANDEM_CHECK(a.mesh() == b.mesh(), "[parallel::{}] expected operands on one mesh, got {} and {}",
+               op, a.mesh().str(), b.mesh().str());
+}
+
+// Redistributes mesh dim m of x to `p` (logging the fallback).
+DTensor move(const DTensor& x, int m, const Placement& p, const char* op) {
+  if (x.placements()[m] == p) return x;
+  Placements target = x.placements();
+  log_debug("[parallel::{}] no rule for {} on mesh dim {}: redistributing to {}", op,
+            x.placements()[m].str(), m, p.str());
+  target[m] = p;
+  return x.redistribute(target);
+}
+
+// Wraps inputs that are Replicate on a mesh dim where the output is not (their
+// local gradients are partial there; Note [Redistribute gradients]).
+Tensor with_f(const DTensor& in, const Placements& out) {
+  Tensor local = in.to_local();
+  for (int m = 0; m < in.mesh().ndim(); ++m) {
+    if (in.placements()[m].is_replicate() && !out[m].is_replicate()) {
+      local = all_reduce_grad(local, in.mesh().get_group(m));
+    }
+  }
+  return local;
+}
+
+// Output dim of input dim d of an operand of rank r broadcast to rank n.
+int64_t out_dim(int64_t d, int r, int n) { return d + (n - r); }
+
+enum class Kind { Add, Sub, Mul, Div };
+
+DTensor elementwise(const DTensor& a0, const DTensor& b0, Kind kind, const char* op) {
+  check_same_mesh(a0, b0, op);
+  DTensor a = a0, b = b0;
+  const Shape shape = broadcast_shapes(a.shape(), b.shape(), op);
+  const int n = shape.size();
+  Placements out(static_cast<size_t>(a.mesh().ndim()), Replicate());
+  for (int m = 0; m < a.mesh().ndim(); ++m) {
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      const Placement pa = a.placements()[m], pb = b.placements()[m];
+      auto broadcast_along = [&](const DTensor& t, int64_t od) {
+        int64_t d = od - (n - t.shape().size());
+        return d < 0 || t.shape()[d] == 1;
+      };
+      if (pa.is_replicate() && pb.is_replicate()) {
+        out[m] = Replicate();
+      } else if (pa.is_shard() && pb.is_shard()) {
+        int64_t da = out_dim(pa.dim, a.shape().size(), n), db = out_dim(pb.dim, b.shape().size(), n);
+        if (da == db) {
+          out[m] = Shard(da);
+        } else {
+          b = move(b, m, Replicate(), op);
+          continue;
+        }
+      } else if (pa.is_shard() || pb.is_shard()) {
+        bool a_sharded = pa.is_shard();
+        const DTensor& s = a_sharded ? a : b;
+        DTensor& r = a_sharded ? b : a;
+        int64_t od = out_dim(s.placements()[m].dim, s.shape().size(), n);
+        if (r.placements()[m].is_partial()) {
+          r = move(r, m, Replicate(), op);
+          continue;
+        }
+        if (!broadcast_along(r, od)) {  // the replicated side is full along od: chunk it
+          r = move(r, m, Shard(od - (n - r.shape().size())), op);
+          continue;
+        }
+        out[m] = Shard(od);
+      } else if (pa.is_partial() && pb.is_partial() && pa == pb &&
+                 (kind == Kind::Add || kind == Kind::Sub) && pa.op == RedOp::Sum) {
+        out[m] = pa;
+      } else if (pa.is_partial() && pb.is_replicate() && (kind == Kind::Mul || kind == Kind::Div) &&
+                 pa.op == RedOp::Sum) {
+        out[m] = pa;
+      } else if (pb.is_partial() && pa.is_replicate() && kind == Kind::Mul && pb.op == RedOp::Sum) {
+        out[m] = pb;
+      } else {
+        if (pa.is_partial()) a = move(a, m, Replicate(), op);
+        if (pb.is_partial()) b = move(b, m, Replicate(), op);
+        continue;
+      }
+      break;
+    }
+  }
+  Tensor la = with_f(a, out), lb = with_f(b, out);
+  Tensor local = kind == Kind::Add   ? tandem::add(la, lb)
+                 : kind == Kind::Sub ? tandem::sub(la, lb)
+                 : kind == Kind::Mul ? tandem::mul(la, lb)
+                                     : tandem::div(la, lb);
+  return DTensor::make(local, a.mesh(), out, shape);
+}
+
+// Unary ops: Partial is resolved first unless the op is linear.
+template <class F>
+DTensor unary(const DTensor& x0, bool linear, const char* op, F f) {
+  DTensor x = x0;
+  for (int m = 0; m < x.mesh().ndim(); ++m) {
+    if (x.placements()[m].is_partial() && (!linear || x.placements()[m].op != RedOp::Sum)) {
+      x = move(x, m, Replicate(), op);
+    }
+  }
+  return DTensor::make(f(x.to_local()), x.mesh(), x.placements(), x.shape());
+}
+
+Dims sorted_dims(const Dims& dims, int ndim, const char* op) {
+  Dims out;
+  if (dims.empty()) {
+    for (int i = 0; i < ndim; ++i) out.push_back(i);
+  } else {
+    for (int64_t d : dims) out.push_back(wrap_dim(d, ndim, op));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+Tensor all_reduce_grad(const Tensor& x, const ProcessGroupPtr& group) {
+  if (group->size() == 1) return x;
+  auto f = std::make_shared<AllReduceGrad>();
+  f->group = group;
+  return Function::apply(f, {x})[0];
+}
+
+DTensor add(const DTensor& a, const DTensor& b) { return elementwise(a, b, Kind::Add, "add"); }
+DTensor sub(const DTensor& a, const DTensor& b) { return elementwise(a, b, Kind::Sub, "sub"); }
+DTensor mul(const DTensor& a, const DTensor& b) { return elementwise(a, b, Kind::Mul, "mul"); }
+DTensor div(const DTensor& a, const DTensor& b) { return elementwise(a, b, Kind::Div, "div"); }
+DTensor mul(const DTensor& a, double s) {
+  return unary(a, true, "mul", [s](const Tensor& t) { return tandem::mul(t, s); });
+}
+DTensor neg(const DTensor& a) {
+  return unary(a, true, "neg", [](const Tensor& t) { return tandem::neg(t); });
+}
+DTensor relu(const DTensor& a) {
+  return unary(a, false, "relu", [](const Tensor& t) { return tandem::relu(t); });
+}
+DTensor gelu(const DTensor& a) {
+  return unary(a, false, "gelu", [](const Tensor& t) { return tandem::gelu(t); });
+}
+DTensor silu(const DTensor& a) {
+  return unary(a, false, "silu", [](const Tensor& t) { return tandem::silu(t); });
+}
+DTensor exp(const DTensor& a) {
+  return unary(a, false, "exp", [](const Tensor& t) { return tandem::exp(t); });
+}
+DTensor tanh(const DTensor& a) {
+  return unary(a, false, "tanh", [](const Tensor& t) { return tandem::tanh(t); });
+}
+
+DTensor matmul(const DTensor& a0, const DTensor& b0) {
+  check_same_mesh(a0, b0, "matmul");
+  DTensor a = a0, b = b0;
+  const int ra = a.shape().size(), rb = b.shape().size();
+  TANDEM_CHECK(ra >= 2 && rb >= 2, "[parallel::matmul] expected operands of rank >= 2, got {} and {}",
+               a.shape(), b.shape());
+  // Global output shape.
+  Shape ba, bb;
+  for (int i = 0; i < ra - 2; ++i) ba.push_back(a.shape()[i]);
+  for (int i = 0; i < rb - 2; ++i) bb.push_back(b.shape()[i]);
+  Shape shape = broadcast_shapes(ba, bb, "matmul");
+  shape.push_back(a.shape()[ra - 2]);
+  shape.push_back(b.shape()[rb - 1]);
+  const int ro = shape.size();
+  Placements out(static_cast<size_t>(a.mesh().ndim()), Replicate());
+  for (int m = 0; m < a.mesh().ndim(); ++m) {
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      const Placement pa = a.placements()[m], pb = b.placements()[m];
+      const bool a_k = pa.is_shard(ra - 1), b_k = pb.is_shard(rb - 2), b_n = pb.is_shard(rb - 1);
+      const bool a_rows = pa.is_shard() && !a_k;  // a batch dim or M
+      const bool b_batch = pb.is_shard() && !b_k && !b_n;
+      if (pa.is_replicate() && pb.is_replicate()) {
+        out[m] = Replicate();
+      } else if (a_k && b_k) {
+        out[m] = Partial();
+      } else if (a_k && pb.is_replicate()) {
+        b = move(b, m, Shard(rb - 2), "matmul");
+        continue;
+      } else if (b_k && pa.is_replicate()) {
+        a = move(a, m, Shard(ra - 1), "matmul");
+        continue;
+      } else if (a_rows && pb.is_replicate() && (pa.dim == ra - 2 || rb == 2)) {
+        out[m] = Shard(out_dim(pa.dim, ra, ro));
+      } else if (a_rows && b_batch && out_dim(pa.dim, ra, ro) == out_dim(pb.dim, rb, ro)) {
+        out[m] = Shard(out_dim(pa.dim, ra, ro));
+      } else if (b_n && pa.is_replicate()) {
+        out[m] = Shard(ro - 1);
+      } else if (pa.is_partial() && pb.is_replicate() && pa.op == RedOp::Sum) {
+        out[m] = pa;
+      } else if (pb.is_partial() && pa.is_replicate() && pb.op == RedOp::Sum) {
+        out[m] = pb;
+      } else {
+        // No rule: gather b first (it is usually the smaller weight), then a.
+        if (!pb.is_replicate()) {
+          b = move(b, m, Replicate(), "matmul");
+        } else {
+          a = move(a, m, Replicate(), "matmul");
+        }
+        continue;
+      }
+      break;
+    }
+  }
+  Tensor local = tandem::matmul(with_f(a, out), with_f(b, out));
+  return DTensor::make(local, a.mesh(), out, shape);
+}
+
+DTensor linear(const DTensor& x, const DTensor& w, const DTensor& b) {
+  DTensor y = matmul(x, transpose(w, 0, 1));
+  return b.defined() ? add(y, b) : y;
+}
+
+DTensor sum(const DTensor& t, const Dims& dims, bool keepdim) {
+  const int n = t.shape().size();
+  Dims reduced = sorted_dims(dims, n, "sum");
+  auto is_reduced = [&](int64_t d) {
+    return std::find(reduced.begin(), reduced.end(), d) != reduced.end();
+  };
+  Placements out = t.placements();
+  for (Placement& p : out) {
+    if (!p.is_shard()) continue;
+    if (is_reduced(p.dim)) {
+      p = Partial();
+    } else if (!keepdim) {
+      int64_t shift = 0;
+      for (int64_t d : reduced) shift += d < p.dim ? 1 : 0;
+      p = Shard(p.dim - shift);
+    }
+  }
+  DTensor x = t;
+  for (int m = 0; m < x.mesh().ndim(); ++m) {
+    if (x.placements()[m].is_partial() && x.placements()[m].op != RedOp::Sum) {
+      x = move(x, m, Replicate(), "sum");
+      out[m] = Replicate();
+    }
+  }
+  Shape shape;
+  for (int i = 0; i < n; ++i) {
+    if (!is_reduced(i)) {
+      shape.push_back(t.shape()[i]);
+    } else if (keepdim) {
+      shape.push_back(1);
+    }
+  }
+  Tensor local = tandem::sum(with_f(x, out), reduced, keepdim);
+  return DTensor::make(local, x.mesh(), out, shape);
+}
+
+DTensor mean(const DTensor& t, const Dims& dims, bool keepdim) {
+  Dims reduced = sorted_dims(dims, t.shape().size(), "mean");
+  int64_t count = 1;
+  for (int64_t d : reduced) count *= t.shape()[d];
+  return mul(sum(t, dims, keepdim), count > 0 ? 1.0 / static_cast<double>(count) : 0.0);
+}
+
+namespace {
+// Redistributes so that `dim` is whole on every rank and nothing is Partial.
+DTensor whole_along(const DTensor& t, int64_t dim, const char* op) {
+  DTensor x = t;
+  for (int m = 0; m < x.mesh().ndim(); ++m) {
+    const Placement p = x.placements()[m];
+    if (p.is_partial() || p.is_shard(dim)) x = move(x, m, Replicate(), op);
+  }
+  return x;
+}
+
+DTensor replicated(const DTensor& t, const char* op) {
+  DTensor x = t;
+  for (int m = 0; m < x.mesh().ndim(); ++m) x = move(x, m, Replicate(), op);
+  return x;
+}
+}  // namespace
+
+DTensor softmax(const DTensor& t, int64_t dim) {
+  int d = wrap_dim(dim, t.shape().size(), "softmax");
+  DTensor x = whole_along(t, d, "softmax");
+  return DTensor::make(tandem::softmax(x.to_local(), d), x.mesh(), x.placements(), x.shape());
+}
+
+DTensor layer_norm(const DTensor& x0, const DTensor& weight, const DTensor& bias, double eps) {
+  DTensor x = whole_along(x0, static_cast<int64_t>(x0.shape().size()) - 1, "layer_norm");
+  Tensor w = weight.defined() ? with_f(replicated(weight, "layer_norm"), x.placements()) : Tensor();
+  Tensor b = bias.defined() ? with_f(replicated(bias, "layer_norm"), x.placements()) : Tensor();
+  return DTensor::make(tandem::layer_norm(x.to_local(), w, b, eps), x.mesh(), x.placements(),
+                       x.shape());
+}
+
+DTensor rms_norm(const DTensor& x0, const DTensor& weight, double eps) {
+  DTensor x = whole_along(x0, static_cast<int64_t>(x0.shape().size()) - 1, "rms_norm");
+  Tensor w = weight.defined() ? with_f(replicated(weight, "rms_norm"), x.placements()) : Tensor();
+  return DTensor::make(tandem::rms_norm(x.to_local(), w, eps), x.mesh(), x.placements(), x.shape());
+}
+
+DTensor embedding(const DTensor& weight, const DTensor& indices0) {
+  check_same_mesh(weight, indices0, "embedding");
+  DTensor idx = indices0;
+  Shape shape = idx.shape();
+  shape.push_back(weight.shape()[1]);
+  const int ro = shape.size();
+  Placements out(static_cast<size_t>(weight.mesh().ndim()), Replicate());
+  Tensor w = weight.to_local();
+  Tensor local_idx = idx.to_local();
+  Tensor mask;
+  for (int m = 0; m < weight.mesh().ndim(); ++m) {
+    const Placement pw = weight.placements()[m];
+    if (pw.is_replicate()) {
+      TANDEM_CHECK(!idx.placements()[m].is_partial(),
+                   "[parallel::embedding] expected indices that are not Partial, got {}",
+                   idx.placements()[m].str());
+      out[m] = idx.placements()[m];
+    } else if (pw.is_shard(1) && idx.placements()[m].is_replicate()) {
+      out[m] = Shard(ro - 1);
+    } else if (pw.is_shard(0) && idx.placements()[m].is_replicate()) {
+      // Vocab-parallel: this rank owns rows [start, start + len); others give 0.
+      auto [start, len] = chunk_range(weight.shape()[0], weight.mesh().size(m),
+                                      weight.mesh().coordinate()[m]);
+      Tensor shifted = ops::sub(ops::to(local_idx, DType::I64), static_cast<double>(start));
+      Tensor owned = ops::mul(ops::to(ops::ge(shifted, 0.0), DType::I64),
+                              ops::to(ops::lt(shifted, static_cast<double>(len)), DType::I64));
+      local_idx = ops::mul(shifted, owned);
+      mask = ops::to(ops::unsqueeze(owned, -1), w.dtype());
+      out[m] = Partial();
+    } else {
+      TANDEM_FAIL("[parallel::embedding] expected a Replicate, Shard(0) or Shard(1) table with "
+                  "Replicate indices (or a Replicate table), got table {} and indices {} on mesh "
+                  "dim {}",
+                  pw.str(), idx.placements()[m].str(), m);
+    }
+  }
+  Tensor wl = with_f(DTensor::make(w, weight.mesh(), weight.placements(), weight.shape()), out);
+  Tensor local = tandem::embedding(wl, local_idx);
+  if (mask.defined()) local = tandem::mul(local, mask);
+  return DTensor::make(local, weight.mesh(), out, shape);
+}
+
+DTensor reshape(const DTensor& t0, const Shape& shape_in) {
+  DTensor t = t0;
+  const Shape& in = t.shape();
+  // Resolve a -1 against the global element count.
+  Shape shape = shape_in;
+  int64_t known = 1, infer = -1;
+  for (int i = 0; i < shape.size(); ++i) {
+    if (shape[i] == -1) {
+      infer = i;
+    } else {
+      known *= shape[i];
+    }
+  }
+  if (infer >= 0) shape[infer] = known == 0 ? 0 : in.numel() / known;
+  TANDEM_CHECK(shape.numel() == in.numel(),
+               "[parallel::reshape] expected a shape of {} elements, got {}", in.numel(), shape);
+  auto prefix = [](const Shape& s, int d) {
+    int64_t p = 1;
+    for (int i = 0; i < d; ++i) p *= s[i];
+    return p;
+  };
+  Placements out = t.placements();
+  for (int m = 0; m < t.mesh().ndim(); ++m) {
+    const Placement p = t.placements()[m];
+    if (!p.is_shard()) continue;
+    int found = -1;
+    for (int j = 0; j < shape.size(); ++j) {
+      if (shape[j] == in[p.dim] && prefix(shape, j) == prefix(in, static_cast<int>(p.dim))) found = j;
+    }
+    if (found < 0) {
+      t = move(t, m, Replicate(), "reshape");
+      out[m] = Replicate();
+    } else {
+      out[m] = Shard(found);
+    }
+  }
+  Shape local_shape = DTensor::local_shape_for(shape, out, t.mesh());
+  return DTensor::make(tandem::reshape(t.to_local(), local_shape), t.mesh(), out, shape);
+}
+
+DTensor view(const DTensor& t, const Shape& shape) { return reshape(t, shape); }
+
+DTensor permute(const DTensor& t, const Dims& dims) {
+  const int n = t.shape().size();
+  TANDEM_CHECK(dims.size() == n, "[parallel::permute] expected {} dims, got {}", n, dims.size());
+  Shape shape;
+  Dims inverse = Dims::filled(n, 0);
+  for (int i = 0; i < n; ++i) {
+    int d = wrap_dim(dims[i], n, "permute");
+    shape.push_back(t.shape()[d]);
+    inverse[d] = i;
+  }
+  Placements out = t.placements();
+  for (Placement& p : out) {
+    if (p.is_shard()) p = Shard(inverse[static_cast<int>(p.dim)]);
+  }
+  return DTensor::make(tandem::permute(t.to_local(), dims), t.mesh(), out, shape);
+}
+
+DTensor transpose(const DTensor& t, int64_t dim0, int64_t dim1) {
+  const int n = t.shape().size();
+  Dims order = Dims::filled(n, 0);
+  for (int i = 0; i < n; ++i) order[i] = i;
+  std::swap(order[wrap_dim(dim0, n, "transpose")], order[wrap_dim(dim1, n, "transpose")]);
+  return permute(t, order);
+}
+
+}  // namespace tandem

@@ -1,0 +1,191 @@
+#include "parallel/tensor_parallel.h"
+
+#include "autograd/nn/linear.h"
+#include "autograd/ops.h"
+#include "parallel/dtensor_ops.h"
+#include "runtime/error.h"
+
+namespace tandem {
+namespace {
+
+nn::Linear& as_linear(Module& module, const char* style) {
+  auto* linear = dynamic_cast<nn::Linear*>(&module);
+  TANDEM_CHECK(linear != nullptr, "[parallel::{}] expected an nn::Linear, got {}", style,
+               module.type_name());
+  return *linear;
+}
+
+void check_1d(const DeviceMesh& mesh, const char* style) {
+  TANDEM_CHECK(mesh.ndim() == 1, "[parallel::{}] expected a 1-D mesh, got {}", style, mesh.str());
+}
+
+// The global shape of a local tensor laid out as `p` on a 1-D mesh.
+Shape global_of(const Tensor& local, const Placement& p, const DeviceMesh& mesh) {
+  Shape g = local.shape();
+  if (p.is_shard()) {
+    int d = wrap_dim(p.dim, local.dim(), "parallelize");
+    g[d] = 0;
+    // chunk semantics: recover the global extent from the local ones (even
+    // split assumed unless this is the last, shorter chunk — ask the group).
+    WorkPtr w = mesh.get_group()->all_reduce(
+        ops::full(Shape{1}, static_cast<double>(local.shape()[d]), DType::I64),
+        {RedOp::Sum, "global extent"});
+    w->synchronize();
+    g[d] = w->result().item<int64_t>();
+  }
+  return g;
+}
+
+Tensor relayout(const Tensor& local, const Placement& from, const Placement& to,
+                const DeviceMesh& mesh) {
+  if (from == to) return local;
+  DTensor x = DTensor::make(local, mesh, {from}, global_of(local, from, mesh));
+  if (from.is_shard()) x = DTensor::from_local(local, mesh, {from}, x.shape());
+  return x.redistribute({to}).to_local();
+}
+
+Placement normalised(Placement p, int ndim) {
+  if (p.is_shard()) p.dim = wrap_dim(p.dim, ndim, "parallelize");
+  return p;
+}
+
+}  // namespace
+
+void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
+  check_1d(mesh, "ColwiseParallel");
+  nn::Linear& linear = as_linear(module, "ColwiseParallel");
+  const int64_t out = linear.weight().shape()[0];
+  TANDEM_CHECK(out >= mesh.size(),
+               "[parallel::ColwiseParallel] expected at least {} output features, got {}",
+               mesh.size(), out);
+  linear.set_parameter("weight", DTensor::distribute(linear.weight(), mesh, {Shard(0)}).to_local());
+  if (linear.bias().defined()) {
+    linear.set_parameter("bias", DTensor::distribute(linear.bias(), mesh, {Shard(0)}).to_local());
+  }
+  Placement in = input_layout, out_layout = output_layout;
+  module.register_forward_pre_hook([mesh, in](Module&, const Args& args) -> std::optional<Args> {
+    Args a = args;
+    Tensor& x = a.positional.at(0);
+    x = relayout(x, normalised(in, x.dim()), Replicate(), mesh);
+    x = all_reduce_grad(x, mesh.get_group());  // replicated input, sharded output
+    return a;
+  });
+  module.register_forward_hook(
+      [mesh, out_layout](Module&, const Args&, const std::vector<Tensor>& outs)
+          -> std::optional<std::vector<Tensor>> {
+        std::vector<Tensor> o = outs;
+        Placement want = normalised(out_layout, o[0].dim());
+        Placement have = Shard(o[0].dim() - 1);
+        o[0] = relayout(o[0], have, want, mesh);
+        return o;
+      });
+}
+
+void RowwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
+  check_1d(mesh, "RowwiseParallel");
+  nn::Linear& linear = as_linear(module, "RowwiseParallel");
+  linear.set_parameter("weight", DTensor::distribute(linear.weight(), mesh, {Shard(1)}).to_local());
+  linear.set_bias_deferred(true);
+  Placement in = input_layout, out_layout = output_layout;
+  module.register_forward_pre_hook([mesh, in](Module&, const Args& args) -> std::optional<Args> {
+    Args a = args;
+    Tensor& x = a.positional.at(0);
+    x = relayout(x, normalised(in, x.dim()), Shard(x.dim() - 1), mesh);
+    return a;
+  });
+  nn::Linear* lin = &linear;  // the hook belongs to this module; it outlives the hook
+  module.register_forward_hook(
+      [mesh, out_layout, lin](Module&, const Args&, const std::vector<Tensor>& outs)
+          -> std::optional<std::vector<Tensor>> {
+        std::vector<Tensor> o = outs;
+        Placement want = normalised(out_layout, o[0].dim());
+        // Partial -> want; the shape of a partial tensor is the global one.
+        DTensor partial = DTensor::make(o[0], mesh, {Partial()}, o[0].shape());
+        o[0] = partial.redistribute({want}).to_local();
+        if (lin->bias().defined()) {
+          Tensor b = lin->bias();
+          if (!want.is_replicate()) b = all_reduce_grad(b, mesh.get_group());
+          o[0] = add(o[0], b);
+        }
+        return o;
+      });
+}
+
+void SequenceParallel::apply(Module& module, const DeviceMesh& mesh) const {
+  check_1d(mesh, "SequenceParallel");
+  // The module computes on its sequence shard as is; its replicated parameters
+  // only see their shard's contribution, so their gradients are summed.
+  ProcessGroupPtr group = mesh.get_group();
+  for (auto& [name, p] : module.named_parameters()) {
+    register_hook(p, [group](const Tensor& g) {
+      WorkPtr w = group->all_reduce(g, {RedOp::Sum, "sequence-parallel grad"});
+      w->wait();
+      return w->result();
+    });
+  }
+}
+
+void PrepareModuleInput::apply(Module& module, const DeviceMesh& mesh) const {
+  check_1d(mesh, "PrepareModuleInput");
+  TANDEM_CHECK(input_layouts.size() == desired_input_layouts.size(),
+               "[parallel::PrepareModuleInput] expected as many desired layouts as layouts, got {} "
+               "and {}",
+               input_layouts.size(), desired_input_layouts.size());
+  auto from = input_layouts, to = desired_input_layouts;
+  module.register_forward_pre_hook([mesh, from, to](Module&, const Args& args) -> std::optional<Args> {
+    Args a = args;
+    for (size_t i = 0; i < from.size() && i < a.positional.size(); ++i) {
+      if (!from[i] || !to[i]) continue;
+      Tensor& x = a.positional[i];
+      Placement f = normalised(*from[i], x.dim()), t = normalised(*to[i], x.dim());
+      x = relayout(x, f, t, mesh);
+    }
+    return a;
+  });
+}
+
+void PrepareModuleOutput::apply(Module& module, const DeviceMesh& mesh) const {
+  check_1d(mesh, "PrepareModuleOutput");
+  auto from = output_layouts, to = desired_output_layouts;
+  module.register_forward_hook([mesh, from, to](Module&, const Args&, const std::vector<Tensor>& outs)
+                                   -> std::optional<std::vector<Tensor>> {
+    std::vector<Tensor> o = outs;
+    for (size_t i = 0; i < from.size() && i < o.size(); ++i) {
+      if (!from[i] || i >= to.size() || !to[i]) continue;
+      o[i] = relayout(o[i], normalised(*from[i], o[i].dim()), normalised(*to[i], o[i].dim()), mesh);
+    }
+    return o;
+  });
+}
+
+std::shared_ptr<ParallelStyle> colwise(Placement input, Placement output) {
+  auto s = std::make_shared<ColwiseParallel>();
+  s->input_layout = input;
+  s->output_layout = output;
+  return s;
+}
+
+std::shared_ptr<ParallelStyle> rowwise(Placement input, Placement output) {
+  auto s = std::make_shared<RowwiseParallel>();
+  s->input_layout = input;
+  s->output_layout = output;
+  return s;
+}
+
+std::shared_ptr<ParallelStyle> sequence_parallel(int64_t sequence_dim) {
+  auto s = std::make_shared<SequenceParallel>();
+  s->sequence_dim = sequence_dim;
+  return s;
+}
+
+void parallelize_module(const std::shared_ptr<Module>& module, const DeviceMesh& mesh,
+                        const ParallelizePlan& plan) {
+  TANDEM_CHECK(module != nullptr, "[parallel::parallelize_module] expected a module, got null");
+  for (const auto& [path, style] : plan) {
+    TANDEM_CHECK(style != nullptr, "[parallel::parallelize_module] expected a style for \"{}\"",
+                 path);
+    style->apply(*module->get_submodule(path), mesh);
+  }
+}
+
+}  // namespace tandem
