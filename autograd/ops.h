@@ -142,4 +142,12 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
 AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const AttentionOptions& options = {});
 
+// The gradients (dq, dk, dv) of attention from its inputs, output, log-sum-exp
+// and output gradient (BHSD layouts; not differentiable). `lse` may come from
+// a larger computation (ring attention passes the final one for each block):
+// P = exp(S - lse) is recomputed from it, rows with lse = -inf get P = 0.
+std::vector<Tensor> attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& out, const Tensor& lse, const Tensor& dout,
+                                       const AttentionOptions& options);
+
 }  // namespace tandem

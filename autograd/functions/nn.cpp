@@ -5,6 +5,45 @@
 #include "autograd/ops.h"
 
 namespace tandem {
+
+std::vector<Tensor> attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& out, const Tensor& lse, const Tensor& dout,
+                                       const AttentionOptions& options) {
+  const int64_t B = q.shape()[0], Hq = q.shape()[1], Sq = q.shape()[2], D = q.shape()[3];
+  const int64_t Hkv = k.shape()[1], Sk = k.shape()[2], G = Hq / Hkv;
+  const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
+  DType dt = q.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  // Grouped heads: view q/dO/O as (B, Hkv, G*Sq, D) so one matmul serves a group.
+  auto group = [&](const Tensor& t) {
+    return ops::reshape(ops::to(t, dt), Shape{B, Hkv, G * Sq, t.shape()[3]});
+  };
+  Tensor qg = group(q), dog = group(dout), og = group(out);
+  Tensor kf = ops::to(k, dt), vf = ops::to(v, dt);
+  Tensor s = ops::mul(ops::matmul(qg, ops::transpose(kf, -1, -2)), scale);
+  Tensor lse_g = ops::reshape(ops::to(lse, dt), Shape{B, Hkv, G * Sq, 1});
+  // Rows with no visible key have lse = -inf: their P is 0.
+  Tensor finite = ops::lt(ops::abs(lse_g), std::numeric_limits<double>::infinity());
+  Tensor p = ops::exp(ops::sub(s, ops::where(finite, lse_g, 0.0)));
+  Tensor visible = ops::expand(finite, p.shape());
+  if (options.causal) {
+    Tensor qpos = ops::add(ops::arange(0, static_cast<double>(Sq), 1, DType::I64, q.device()),
+                           static_cast<double>(options.q_offset));
+    Tensor kpos = ops::add(ops::arange(0, static_cast<double>(Sk), 1, DType::I64, q.device()),
+                           static_cast<double>(options.k_offset));
+    Tensor mask = ops::le(ops::unsqueeze(kpos, 0), ops::unsqueeze(qpos, 1));  // (Sq, Sk)
+    mask = ops::reshape(ops::expand(ops::unsqueeze(mask, 0), Shape{G, Sq, Sk}), Shape{G * Sq, Sk});
+    visible = ops::where(mask, visible, ops::zeros(Shape{}, DType::Bool, q.device()));
+  }
+  p = ops::where(visible, p, 0.0);
+  Tensor dv = ops::matmul(ops::transpose(p, -1, -2), dog);    // (B, Hkv, Sk, D)
+  Tensor dp = ops::matmul(dog, ops::transpose(vf, -1, -2));    // (B, Hkv, G*Sq, Sk)
+  Tensor delta = ops::sum(ops::mul(dog, og), Dims{-1}, true);  // (B, Hkv, G*Sq, 1)
+  Tensor ds = ops::mul(ops::mul(p, ops::sub(dp, delta)), scale);
+  Tensor dq = ops::reshape(ops::matmul(ds, kf), q.shape());
+  Tensor dk = ops::matmul(ops::transpose(ds, -1, -2), qg);     // (B, Hkv, Sk, D)
+  return {ops::to(dq, q.dtype()), ops::to(dk, k.dtype()), ops::to(dv, v.dtype())};
+}
+
 namespace {
 
 #define TANDEM_NODE_NAME(N) \
@@ -141,39 +180,7 @@ struct AttentionBackward final : Node {
   Tensor q, k, v, out, lse;
   AttentionOptions options;
   std::vector<Tensor> apply(std::vector<Tensor>& g) override {
-    const int64_t B = q.shape()[0], Hq = q.shape()[1], Sq = q.shape()[2], D = q.shape()[3];
-    const int64_t Hkv = k.shape()[1], Sk = k.shape()[2], G = Hq / Hkv;
-    const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
-    DType dt = q.dtype() == DType::F64 ? DType::F64 : DType::F32;
-    // Grouped heads: view q/dO/O as (B, Hkv, G*Sq, D) so one matmul serves a group.
-    auto group = [&](const Tensor& t) {
-      return ops::reshape(ops::to(t, dt), Shape{B, Hkv, G * Sq, t.shape()[3]});
-    };
-    Tensor qg = group(q), dog = group(g[0]), og = group(out);
-    Tensor kf = ops::to(k, dt), vf = ops::to(v, dt);
-    Tensor s = ops::mul(ops::matmul(qg, ops::transpose(kf, -1, -2)), scale);
-    Tensor lse_g = ops::reshape(ops::to(lse, dt), Shape{B, Hkv, G * Sq, 1});
-    // Rows with no visible key have lse = -inf: their P is 0.
-    Tensor finite = ops::lt(ops::abs(lse_g), std::numeric_limits<double>::infinity());
-    Tensor p = ops::exp(ops::sub(s, ops::where(finite, lse_g, 0.0)));
-    Tensor visible = ops::expand(finite, p.shape());
-    if (options.causal) {
-      Tensor qpos = ops::add(ops::arange(0, static_cast<double>(Sq), 1, DType::I64, q.device()),
-                             static_cast<double>(options.q_offset));
-      Tensor kpos = ops::add(ops::arange(0, static_cast<double>(Sk), 1, DType::I64, q.device()),
-                             static_cast<double>(options.k_offset));
-      Tensor mask = ops::le(ops::unsqueeze(kpos, 0), ops::unsqueeze(qpos, 1));  // (Sq, Sk)
-      mask = ops::reshape(ops::expand(ops::unsqueeze(mask, 0), Shape{G, Sq, Sk}), Shape{G * Sq, Sk});
-      visible = ops::where(mask, visible, ops::zeros(Shape{}, DType::Bool, q.device()));
-    }
-    p = ops::where(visible, p, 0.0);
-    Tensor dv = ops::matmul(ops::transpose(p, -1, -2), dog);           // (B, Hkv, Sk, D)
-    Tensor dp = ops::matmul(dog, ops::transpose(vf, -1, -2));           // (B, Hkv, G*Sq, Sk)
-    Tensor delta = ops::sum(ops::mul(dog, og), Dims{-1}, true);         // (B, Hkv, G*Sq, 1)
-    Tensor ds = ops::mul(ops::mul(p, ops::sub(dp, delta)), scale);
-    Tensor dq = ops::reshape(ops::matmul(ds, kf), q.shape());
-    Tensor dk = ops::matmul(ops::transpose(ds, -1, -2), qg);            // (B, Hkv, Sk, D)
-    return {ops::to(dq, q.dtype()), ops::to(dk, k.dtype()), ops::to(dv, v.dtype())};
+    return attention_backward(q, k, v, out, lse, g[0], options);
   }
   void release_saved() override { q = k = v = out = lse = Tensor(); }
 };

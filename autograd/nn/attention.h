@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "autograd/module.h"
@@ -31,7 +32,14 @@ namespace tandem::nn {
 // on the host (keep them on the CPU to avoid a device synchronisation).
 class CoreAttention final : public Module {
  public:
+  // Replaces the attention computation itself (BSHD in, BSHD out); context
+  // parallelism installs ring and load-balanced kernels this way.
+  using Kernel = std::function<Tensor(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const AttentionOptions& options)>;
+
   explicit CoreAttention(const AttentionOptions& options = {});
+  void set_kernel(Kernel kernel) { kernel_ = std::move(kernel); }
+  bool has_kernel() const { return kernel_ != nullptr; }
 
   const AttentionOptions& options() const { return options_; }
   // Not synchronised with a concurrent forward: configure before running.
@@ -42,6 +50,7 @@ class CoreAttention final : public Module {
 
  private:
   AttentionOptions options_;
+  Kernel kernel_;
 };
 
 // Multi-head self-attention with grouped-query heads: x (B, S, d_model) →

@@ -1,0 +1,458 @@
+#include "parallel/context_parallel.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "autograd/function.h"
+#include "autograd/ops.h"
+#include "parallel/dtensor.h"
+#include "parallel/functional.h"
+#include "runtime/error.h"
+
+namespace tandem {
+
+std::vector<SeqPiece> sequence_pieces(int64_t seq_len, int cp, int rank, bool load_balance) {
+  if (!load_balance) {
+    auto [start, len] = chunk_range(seq_len, cp, rank);
+    return {{start, len}};
+  }
+  // Balanced chunks (lengths differ by at most one), so that the causal work
+  // stays even when 2cp does not divide the sequence.
+  const int64_t parts = 2 * cp, base = seq_len / parts, extra = seq_len % parts;
+  auto piece = [&](int64_t i) {
+    return SeqPiece{i * base + std::min(i, extra), base + (i < extra ? 1 : 0)};
+  };
+  return {piece(rank), piece(2 * cp - 1 - rank)};
+}
+
+Tensor shard_sequence(const Tensor& full, int64_t seq_dim, int cp, int rank, bool load_balance) {
+  int d = wrap_dim(seq_dim, full.dim(), "shard_sequence");
+  std::vector<Tensor> parts;
+  for (const SeqPiece& p : sequence_pieces(full.shape()[d], cp, rank, load_balance)) {
+    parts.push_back(narrow(full, d, p.start, p.length));
+  }
+  return parts.size() == 1 ? contiguous(parts[0]) : cat(parts, d);
+}
+
+Tensor unshard_sequence(const Tensor& local, int64_t seq_dim, const ProcessGroupPtr& group,
+                        bool load_balance) {
+  int d = wrap_dim(seq_dim, local.dim(), "unshard_sequence");
+  const int cp = group->size();
+  std::vector<int64_t> lengths = gather_lengths(local, group, d);
+  Tensor gathered = all_gather_dim(local, group, d, lengths);
+  if (!load_balance) return gathered;
+  int64_t total = 0;
+  for (int64_t l : lengths) total += l;
+  // Rank order holds [c0, c(2cp-1)], [c1, c(2cp-2)], ...: put pieces in place.
+  std::vector<Tensor> by_position(static_cast<size_t>(2 * cp));
+  int64_t offset = 0;
+  for (int r = 0; r < cp; ++r) {
+    std::vector<SeqPiece> pieces = sequence_pieces(total, cp, r, true);
+    by_position[r] = narrow(gathered, d, offset, pieces[0].length);
+    by_position[2 * cp - 1 - r] = narrow(gathered, d, offset + pieces[0].length, pieces[1].length);
+    offset += lengths[r];
+  }
+  return cat(by_position, d);
+}
+
+int64_t causal_attention_pairs(int64_t seq_len, int cp, int rank, bool load_balance) {
+  int64_t pairs = 0;
+  for (const SeqPiece& p : sequence_pieces(seq_len, cp, rank, load_balance)) {
+    for (int64_t i = p.start; i < p.start + p.length; ++i) pairs += i + 1;
+  }
+  return pairs;
+}
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+Tensor bhsd(const Tensor& t) { return ops::contiguous(ops::transpose(t, 1, 2)); }
+
+// Merges (out2, lse2) into (out1, lse1): the log-sum-exp rule, -inf safe.
+void merge(Tensor& out, Tensor& lse, const Tensor& out2, const Tensor& lse2) {
+  Tensor m = ops::maximum(lse, lse2);
+  Tensor finite = ops::lt(ops::abs(m), kInf);
+  Tensor m0 = ops::where(finite, m, 0.0);
+  Tensor w1 = ops::exp(ops::sub(lse, m0)), w2 = ops::exp(ops::sub(lse2, m0));
+  Tensor total = ops::add(w1, w2);
+  Tensor new_lse = ops::where(finite, ops::add(m0, ops::log(total)), -kInf);
+  Tensor denom = ops::where(finite, total, 1.0);
+  Tensor a = ops::unsqueeze(ops::div(w1, denom), -1), b = ops::unsqueeze(ops::div(w2, denom), -1);
+  out = ops::add(ops::mul(out, a), ops::mul(out2, b));
+  lse = new_lse;
+}
+
+// Ring attention as one Function over the local q, k, v (BSHD).
+struct RingAttention final : Function {
+  ProcessGroupPtr group;
+  AttentionOptions options;
+  int64_t seq_len = 0;  // global
+  bool load_balance = false;
+  std::vector<int64_t> lengths;  // every rank's local length
+  Tensor saved_q, saved_k, saved_v, saved_out, saved_lse;  // BHSD
+
+  const char* name() const override { return "RingAttentionBackward"; }
+
+  std::vector<SeqPiece> pieces(int rank) const {
+    return sequence_pieces(seq_len, group->size(), rank, load_balance);
+  }
+  bool visible(const SeqPiece& q, const SeqPiece& k) const {
+    return q.length > 0 && k.length > 0 && (!options.causal || k.start <= q.start + q.length - 1);
+  }
+  AttentionOptions piece_options(const SeqPiece& q, const SeqPiece& k) const {
+    AttentionOptions o = options;
+    o.q_offset = q.start;
+    o.k_offset = k.start;
+    return o;
+  }
+  // Local offsets of a rank's pieces within its block.
+  static std::vector<int64_t> local_offsets(const std::vector<SeqPiece>& p) {
+    std::vector<int64_t> o;
+    int64_t at = 0;
+    for (const SeqPiece& x : p) {
+      o.push_back(at);
+      at += x.length;
+    }
+    return o;
+  }
+  Tensor pad(const Tensor& t, int64_t len) const {  // BHSD along S
+    if (t.shape()[2] == len) return t;
+    Shape s = t.shape();
+    s[2] = len - t.shape()[2];
+    return ops::cat({t, ops::zeros(s, t.dtype(), t.device())}, 2);
+  }
+  // Launches the exchange of `tensors` with the ring neighbours.
+  WorkPtr exchange(const std::vector<Tensor>& tensors) const {
+    const int n = group->size(), me = group->rank();
+    std::vector<P2POp> ops_list;
+    for (const Tensor& t : tensors) ops_list.push_back(P2POp::send(t, (me + 1) % n));
+    for (const Tensor& t : tensors) ops_list.push_back(P2POp::recv(t, (me + n - 1) % n));
+    return group->batch_isend_irecv(ops_list, "ring");
+  }
+
+  std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
+    const int n = group->size(), me = group->rank();
+    Tensor q = bhsd(in[0]), k = bhsd(in[1]), v = bhsd(in[2]);
+    const int64_t max_len = *std::max_element(lengths.begin(), lengths.end());
+    std::vector<SeqPiece> qp = pieces(me);
+    std::vector<int64_t> qo = local_offsets(qp);
+    const Shape& qs = q.shape();
+    std::vector<Tensor> out(qp.size()), lse(qp.size());
+    for (size_t i = 0; i < qp.size(); ++i) {
+      out[i] = ops::zeros({qs[0], qs[1], qp[i].length, qs[3]}, DType::F32);
+      lse[i] = ops::full({qs[0], qs[1], qp[i].length}, -kInf, DType::F32);
+    }
+    Tensor cur_k = pad(k, max_len), cur_v = pad(v, max_len);
+    for (int s = 0; s < n; ++s) {
+      const int src = (me - s + n) % n;
+      WorkPtr next = s + 1 < n ? exchange({cur_k, cur_v}) : nullptr;  // overlaps the compute
+      std::vector<SeqPiece> kp = pieces(src);
+      std::vector<int64_t> ko = local_offsets(kp);
+      for (size_t i = 0; i < qp.size(); ++i) {
+        for (size_t j = 0; j < kp.size(); ++j) {
+          if (!visible(qp[i], kp[j])) continue;
+          AttentionResult r = ops::scaled_dot_product_attention(
+              ops::narrow(q, 2, qo[i], qp[i].length), ops::narrow(cur_k, 2, ko[j], kp[j].length),
+              ops::narrow(cur_v, 2, ko[j], kp[j].length), piece_options(qp[i], kp[j]));
+          merge(out[i], lse[i], ops::to(r.out, DType::F32), r.lse);
+        }
+      }
+      if (next) {
+        next->wait();
+        cur_k = next->results()[0];
+        cur_v = next->results()[1];
+      }
+    }
+    Tensor o = out.size() == 1 ? out[0] : ops::cat(out, 2);
+    Tensor l = lse.size() == 1 ? lse[0] : ops::cat(lse, 2);
+    saved_q = q;
+    saved_k = k;
+    saved_v = v;
+    saved_out = ops::to(o, q.dtype());
+    saved_lse = l;
+    return {ops::contiguous(ops::transpose(saved_out, 1, 2))};
+  }
+
+  std::vector<Tensor> backward(FunctionCtx&, const std::vector<Tensor>& g) override {
+    const int n = group->size(), me = group->rank();
+    Tensor dout = bhsd(g[0]);
+    const int64_t max_len = *std::max_element(lengths.begin(), lengths.end());
+    std::vector<SeqPiece> qp = pieces(me);
+    std::vector<int64_t> qo = local_offsets(qp);
+    Tensor dq = ops::zeros(saved_q.shape(), DType::F32);
+    Tensor cur_k = pad(saved_k, max_len), cur_v = pad(saved_v, max_len);
+    Tensor dk = ops::zeros(cur_k.shape(), DType::F32), dv = ops::zeros(cur_v.shape(), DType::F32);
+    for (int s = 0; s < n; ++s) {
+      const int src = (me - s + n) % n;
+      std::vector<SeqPiece> kp = pieces(src);
+      std::vector<int64_t> ko = local_offsets(kp);
+      for (size_t i = 0; i < qp.size(); ++i) {
+        for (size_t j = 0; j < kp.size(); ++j) {
+          if (!visible(qp[i], kp[j])) continue;
+          auto q_i = ops::narrow(saved_q, 2, qo[i], qp[i].length);
+          auto k_j = ops::narrow(cur_k, 2, ko[j], kp[j].length);
+          auto v_j = ops::narrow(cur_v, 2, ko[j], kp[j].length);
+          std::vector<Tensor> grads = attention_backward(
+              q_i, k_j, v_j, ops::narrow(saved_out, 2, qo[i], qp[i].length),
+              ops::narrow(saved_lse, 2, qo[i], qp[i].length),
+              ops::narrow(dout, 2, qo[i], qp[i].length), piece_options(qp[i], kp[j]));
+          ops::copy_(ops::narrow(dq, 2, qo[i], qp[i].length),
+                     ops::add(ops::narrow(dq, 2, qo[i], qp[i].length), grads[0]));
+          Tensor dk_j = ops::narrow(dk, 2, ko[j], kp[j].length);
+          Tensor dv_j = ops::narrow(dv, 2, ko[j], kp[j].length);
+          ops::copy_(dk_j, ops::add(dk_j, grads[1]));
+          ops::copy_(dv_j, ops::add(dv_j, grads[2]));
+        }
+      }
+      // The block and its gradient accumulators move on together; after the
+      // last step the accumulators go home (to the next rank, their owner).
+      WorkPtr w = s + 1 < n ? exchange({cur_k, cur_v, dk, dv}) : exchange({dk, dv});
+      w->wait();
+      if (s + 1 < n) {
+        cur_k = w->results()[0];
+        cur_v = w->results()[1];
+        dk = w->results()[2];
+        dv = w->results()[3];
+      } else {
+        dk = w->results()[0];
+        dv = w->results()[1];
+      }
+    }
+    const int64_t mine = lengths[me];
+    auto back = [&](const Tensor& t, const Tensor& like) {
+      return ops::contiguous(ops::transpose(ops::to(ops::narrow(t, 2, 0, mine), like.dtype()), 1, 2));
+    };
+    saved_q = saved_k = saved_v = saved_out = saved_lse = Tensor();
+    return {ops::contiguous(ops::transpose(ops::to(dq, g[0].dtype()), 1, 2)), back(dk, g[0]),
+            back(dv, g[0])};
+  }
+};
+
+Tensor* qkv_slot(Args& args, const ContextParallel& cp, int i) {
+  if (i < static_cast<int>(cp.qkv_names.size())) {
+    if (Tensor* t = args.find(cp.qkv_names[i])) return t;
+  }
+  if (i < static_cast<int>(cp.qkv_positions.size())) {
+    if (Tensor* t = args.at(static_cast<size_t>(cp.qkv_positions[i]))) return t;
+  }
+  return nullptr;
+}
+
+std::vector<Tensor*> qkv_slots(Args& args, const ContextParallel& cp) {
+  std::vector<Tensor*> slots;
+  static const char* names[] = {"q", "k", "v"};
+  for (int i = 0; i < 3; ++i) {
+    Tensor* t = qkv_slot(args, cp, i);
+    TANDEM_CHECK(t != nullptr && t->defined(),
+                 "[parallel::ContextParallel] expected {} in the attention arguments (named \"{}\" "
+                 "or at position {}), got none",
+                 names[i], i < static_cast<int>(cp.qkv_names.size()) ? cp.qkv_names[i] : "",
+                 i < static_cast<int>(cp.qkv_positions.size()) ? cp.qkv_positions[i] : -1);
+    slots.push_back(t);
+  }
+  return slots;
+}
+
+// Replicates KV heads so that `degree` divides them (GQA with fewer KV heads
+// than the Ulysses degree); the expand's backward sums the copies.
+Tensor replicate_heads(const Tensor& t, int64_t head_dim, int64_t degree) {
+  const int64_t h = t.shape()[head_dim];
+  if (h % degree == 0) return t;
+  TANDEM_CHECK(degree % h == 0,
+               "[parallel::ContextParallel] expected KV heads divisible by the Ulysses degree or "
+               "dividing it, got {} KV heads and degree {}",
+               h, degree);
+  Shape expanded = t.shape();
+  expanded.insert(static_cast<int>(head_dim) + 1, degree / h);
+  Shape merged = t.shape();
+  merged[head_dim] = degree;
+  return reshape(expand(unsqueeze(t, head_dim + 1), expanded), merged);
+}
+
+// Per-rank sums of `lengths` over groups of `ds` adjacent ranks.
+std::vector<int64_t> block_sums(const std::vector<int64_t>& lengths, int ds) {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < lengths.size(); i += static_cast<size_t>(ds)) {
+    int64_t s = 0;
+    for (int j = 0; j < ds; ++j) s += lengths[i + static_cast<size_t>(j)];
+    out.push_back(s);
+  }
+  return out;
+}
+
+}  // namespace
+
+void ContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
+                            const DeviceMesh& mesh) const {
+  TANDEM_CHECK(core != nullptr, "[parallel::ContextParallel] expected a core-attention module");
+  TANDEM_CHECK(mesh.ndim() == 1 || mesh.ndim() == 2,
+               "[parallel::ContextParallel] expected a 1-D or 2-D (co, ds) mesh, got a {}-D mesh {}",
+               mesh.ndim(), mesh.str());
+  TANDEM_CHECK(use_local_output,
+               "[parallel::ContextParallel] expected use_local_output (modules exchange local "
+               "tensors; wrap the output with DTensor::from_local on the CP mesh), got false");
+  const int cp = static_cast<int>(mesh.size());
+  const int ds = static_cast<int>(ulysses_degree);
+  TANDEM_CHECK(ds >= 1 && cp % ds == 0,
+               "[parallel::ContextParallel] expected the Ulysses degree to divide cp={}, got {}", cp,
+               ds);
+  const bool ring = mode == CPMode::Ring;
+  TANDEM_CHECK(!(ring && ds > 1),
+               "[parallel::ContextParallel] expected ulysses_degree 1 with ring, got {}", ds);
+  TANDEM_CHECK(!(load_balance && ds > 1),
+               "[parallel::ContextParallel] expected load balance only with all-gather KV or "
+               "ring (ulysses_degree 1), got ulysses_degree {}",
+               ds);
+  const int co = cp / ds;
+  ProcessGroupPtr cp_group, ds_group, co_group;
+  if (mesh.ndim() == 2) {
+    std::vector<std::string> names = mesh.dim_names();
+    TANDEM_CHECK(names[0] == "co" && names[1] == "ds",
+                 "[parallel::ContextParallel] expected a 2-D mesh with dims named (co, ds), got "
+                 "({}, {})",
+                 names[0], names[1]);
+    TANDEM_CHECK(mesh.size(1) == ds,
+                 "[parallel::ContextParallel] expected the ds dim to equal ulysses_degree {}, got {}",
+                 ds, mesh.size(1));
+    cp_group = mesh.flatten("cp_" + std::to_string(reinterpret_cast<uintptr_t>(core.get()))).get_group();
+    ds_group = mesh.get_group("ds");
+    co_group = mesh.get_group("co");
+  } else {
+    cp_group = mesh.get_group();
+    if (ds > 1 && ds < cp) {
+      DeviceMesh hybrid(cp_group, {co, ds}, {"co", "ds"}, {}, mesh.device());
+      ds_group = hybrid.get_group("ds");
+      co_group = hybrid.get_group("co");
+    } else {
+      ds_group = ds == cp ? cp_group : nullptr;
+      co_group = ds == 1 ? cp_group : nullptr;
+    }
+  }
+  const ContextParallel config = *this;
+  const int64_t sd = seq_dim, hd = head_dim;
+
+  // Per-call layout, shared by the pre-hook and the kernel of one forward on
+  // one thread (forwards of different micro-batches run on different threads
+  // or one after another).
+  struct CallState {
+    std::vector<int64_t> lengths;  // every CP rank's local sequence length
+    int64_t total = 0;
+  };
+  auto state = std::make_shared<std::map<std::thread::id, CallState>>();
+  auto state_mu = std::make_shared<std::mutex>();
+  auto set_state = [state, state_mu](CallState s) {
+    std::lock_guard<std::mutex> lock(*state_mu);
+    (*state)[std::this_thread::get_id()] = std::move(s);
+  };
+  auto get_state = [state, state_mu]() {
+    std::lock_guard<std::mutex> lock(*state_mu);
+    return state->at(std::this_thread::get_id());
+  };
+
+  core->register_forward_pre_hook([=](Module&, const Args& in) -> std::optional<Args> {
+    Args args = in;
+    std::vector<Tensor*> qkv = qkv_slots(args, config);
+    Tensor &q = *qkv[0], &k = *qkv[1], &v = *qkv[2];
+    const int64_t hq = q.shape()[hd], hkv = k.shape()[hd];
+    CallState s;
+    s.lengths = gather_lengths(q, cp_group, sd);
+    for (int64_t l : s.lengths) s.total += l;
+    set_state(s);
+    if (ds > 1) {
+      TANDEM_CHECK(hq % ds == 0,
+                   "[parallel::ContextParallel] expected query heads divisible by the Ulysses "
+                   "degree, got {} heads and degree {}",
+                   hq, ds);
+      std::vector<int64_t> ds_lengths(s.lengths.begin() + (cp_group->rank() / ds) * ds,
+                                      s.lengths.begin() + (cp_group->rank() / ds + 1) * ds);
+      q = all_to_all_dims(q, ds_group, hd, sd, {}, ds_lengths);
+      k = all_to_all_dims(replicate_heads(k, hd, ds), ds_group, hd, sd, {}, ds_lengths);
+      v = all_to_all_dims(replicate_heads(v, hd, ds), ds_group, hd, sd, {}, ds_lengths);
+      (void)hkv;
+    }
+    if (co > 1) {
+      std::vector<int64_t> co_lengths = block_sums(s.lengths, ds);
+      if (!ring) {
+        k = all_gather_dim(k, co_group, sd, co_lengths);
+        v = all_gather_dim(v, co_group, sd, co_lengths);
+        if (config.load_balance) {
+          // Gathered in rank order; restore global order for the kernel.
+          std::vector<Tensor> by_position(static_cast<size_t>(2 * cp));
+          for (Tensor* t : {&k, &v}) {
+            int64_t offset = 0;
+            for (int r = 0; r < cp; ++r) {
+              auto p = sequence_pieces(s.total, cp, r, true);
+              by_position[r] = narrow(*t, sd, offset, p[0].length);
+              by_position[2 * cp - 1 - r] = narrow(*t, sd, offset + p[0].length, p[1].length);
+              offset += s.lengths[r];
+            }
+            *t = cat(by_position, sd);
+          }
+        }
+      }
+    }
+    return args;
+  });
+
+  // The kernel: positions of the local queries against the keys held.
+  const int cp_rank = cp_group->rank();
+  core->set_kernel([=](const Tensor& q, const Tensor& k, const Tensor& v,
+                       const AttentionOptions& options) -> Tensor {
+    CallState s = get_state();
+    if (ring && cp > 1) {
+      auto f = std::make_shared<RingAttention>();
+      f->group = cp_group;
+      f->options = options;
+      f->seq_len = s.total;
+      f->load_balance = config.load_balance;
+      f->lengths = s.lengths;
+      return Function::apply(f, {q, k, v})[0];
+    }
+    // Local query pieces with global positions; keys are the whole sequence
+    // (all-gather) or the ds block's (Ulysses: whole too).
+    std::vector<SeqPiece> pieces;
+    if (ds > 1) {
+      int64_t start = 0;
+      const int block = cp_rank / ds;
+      for (int r = 0; r < block * ds; ++r) start += s.lengths[r];
+      pieces.push_back({start, q.shape()[sd]});
+    } else if (config.load_balance) {
+      pieces = sequence_pieces(s.total, cp, cp_rank, true);
+    } else {
+      int64_t start = 0;
+      for (int r = 0; r < cp_rank; ++r) start += s.lengths[r];
+      pieces.push_back({start, q.shape()[sd]});
+    }
+    std::vector<Tensor> outs;
+    int64_t local = 0;
+    for (const SeqPiece& p : pieces) {
+      AttentionOptions o = options;
+      o.q_offset = co > 1 || ds > 1 ? p.start : options.q_offset;
+      o.k_offset = 0;
+      Tensor qp = narrow(q, sd, local, p.length);
+      local += p.length;
+      AttentionResult r = scaled_dot_product_attention(transpose(qp, 1, 2), transpose(k, 1, 2),
+                                                       transpose(v, 1, 2), o);
+      outs.push_back(transpose(r.out, 1, 2));
+    }
+    return contiguous(outs.size() == 1 ? outs[0] : cat(outs, sd));
+  });
+
+  if (ds > 1) {
+    core->register_forward_hook([=](Module&, const Args&, const std::vector<Tensor>& outs)
+                                    -> std::optional<std::vector<Tensor>> {
+      CallState s = get_state();
+      std::vector<int64_t> ds_lengths(s.lengths.begin() + (cp_rank / ds) * ds,
+                                      s.lengths.begin() + (cp_rank / ds + 1) * ds);
+      std::vector<Tensor> o = outs;
+      o[0] = all_to_all_dims(o[0], ds_group, sd, hd, ds_lengths, {});
+      return o;
+    });
+  }
+}
+
+}  // namespace tandem

@@ -1,0 +1,77 @@
+// Context parallelism on the core-attention module (DESIGN §7): the sequence
+// of Q/K/V is sharded across the ranks of a CP mesh and the attention is
+// computed as if on the whole sequence.
+//
+//   cp = mesh size, ds = ulysses_degree, co = cp / ds
+//   Ulysses   (ds == cp)      all-to-all Q/K/V from sequence- to head-sharded,
+//                             attention on whole sequences of cp-th of the
+//                             heads, reverse all-to-all of the output.
+//   all-gather KV (ds == 1)   Q stays sharded; K and V are all-gathered along
+//                             the sequence (their gradients reduce-scattered);
+//                             the causal mask uses the global positions of the
+//                             local queries.
+//   hybrid  (1 < ds < cp)     a (co, ds) mesh of adjacent ranks: Ulysses over
+//                             ds, then all-gather of K/V over co.
+//   ring    (mode = Ring)     K/V blocks circulate between neighbours by
+//                             send/recv while each rank attends to the block
+//                             it holds; partial results merge by log-sum-exp;
+//                             the next block's transfer overlaps the current
+//                             block's compute; dK/dV circulate back in backward.
+//
+// Load balance (all-gather KV and ring, causal): rank r holds sequence chunks
+// r and 2cp-1-r of 2cp, so every rank has the same causal work;
+// shard_sequence() lays a batch out that way. Grouped-query attention with
+// fewer KV heads than the Ulysses degree replicates the KV heads before the
+// all-to-all (their gradients sum back). Sequence lengths need not divide cp:
+// shards follow chunk semantics, transfers are padded inside the layer and
+// only real tokens are attended to and returned.
+//
+// The hooks work on the local tensors that modules exchange; apply() must be
+// called on every rank of the mesh, and every forward is collective over it.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "autograd/nn/attention.h"
+#include "parallel/device_mesh.h"
+
+namespace tandem {
+
+enum class CPMode { Auto, Ring };
+
+struct ContextParallel {
+  int64_t seq_dim = 1;   // of the Q/K/V tensors (BSHD)
+  int64_t head_dim = 2;
+  int64_t ulysses_degree = 1;
+  std::vector<int> qkv_positions = {0, 1, 2};           // positional slots of q, k, v
+  std::vector<std::string> qkv_names = {"q", "k", "v"};  // named slots (take precedence)
+  bool use_local_output = true;  // modules exchange local tensors; false is rejected
+  bool load_balance = false;
+  CPMode mode = CPMode::Auto;
+
+  // Registers the hooks (and, for ring / load-balanced layouts, the kernel)
+  // on `core`. `mesh`: 1-D, or 2-D with dims named "co" and "ds" (hybrid).
+  void apply(const std::shared_ptr<nn::CoreAttention>& core, const DeviceMesh& mesh) const;
+};
+
+// Global positions of the sequence pieces a rank holds, in local order: one
+// chunk of cp (chunk semantics, as DTensor), or (load balance) chunks r and
+// 2cp-1-r of 2cp, balanced so that lengths differ by at most one.
+struct SeqPiece {
+  int64_t start = 0;
+  int64_t length = 0;
+};
+std::vector<SeqPiece> sequence_pieces(int64_t seq_len, int cp, int rank, bool load_balance);
+
+// This rank's part of a whole sequence (dim `seq_dim`), and the whole
+// sequence back from every rank's part (collective over `group`).
+Tensor shard_sequence(const Tensor& full, int64_t seq_dim, int cp, int rank, bool load_balance);
+Tensor unshard_sequence(const Tensor& local, int64_t seq_dim, const ProcessGroupPtr& group,
+                        bool load_balance);
+
+// Number of (query, key) pairs a rank attends to under a causal mask.
+int64_t causal_attention_pairs(int64_t seq_len, int cp, int rank, bool load_balance);
+
+}  // namespace tandem

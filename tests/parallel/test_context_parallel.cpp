@@ -1,0 +1,180 @@
+// Context parallelism: every mode's outputs and Q/K/V gradients equal
+// single-rank attention on the whole sequence.
+#include <catch2/catch.hpp>
+
+#include "autograd/nn/attention.h"
+#include "autograd/ops.h"
+#include "comm/threads/threads_backend.h"
+#include "parallel/context_parallel.h"
+
+using namespace tandem;
+
+namespace {
+
+struct Case {
+  std::string name;
+  int cp;
+  int ds;
+  bool ring;
+  bool load_balance;
+  bool causal;
+  int64_t seq;
+  int64_t heads;
+  int64_t kv_heads;
+};
+
+std::string describe(const Case& c) {
+  return fmt::format("{} cp={} ds={} causal={} lb={} S={} H={} Hkv={}", c.name, c.cp, c.ds, c.causal,
+                     c.load_balance, c.seq, c.heads, c.kv_heads);
+}
+
+void check_case(const Case& c) {
+  INFO(describe(c));
+  const int64_t B = 2, D = 8;
+  Generator gen(42);
+  Tensor q = ops::randn({B, c.seq, c.heads, D}, gen);
+  Tensor k = ops::randn({B, c.seq, c.kv_heads, D}, gen);
+  Tensor v = ops::randn({B, c.seq, c.kv_heads, D}, gen);
+  Tensor w = ops::randn({B, c.seq, c.heads, D}, gen);  // loss weights
+  AttentionOptions options;
+  options.causal = c.causal;
+
+  // Reference: one rank, whole sequence.
+  auto ref = std::make_shared<nn::CoreAttention>(options);
+  Tensor qr = ops::clone(q), kr = ops::clone(k), vr = ops::clone(v);
+  for (Tensor* t : {&qr, &kr, &vr}) set_requires_grad(*t);
+  Tensor out_ref = ref->call(Args{qr, kr, vr})[0];
+  backward(sum(mul(out_ref, w)));
+
+  std::vector<std::string> errors(static_cast<size_t>(c.cp));
+  run_ranks(c.cp, [&](ProcessGroupPtr pg) {
+    const int r = pg->rank();
+    DeviceMesh mesh(pg, {c.cp}, {"cp"});
+    auto core = std::make_shared<nn::CoreAttention>(options);
+    ContextParallel config;
+    config.ulysses_degree = c.ds;
+    config.load_balance = c.load_balance;
+    config.mode = c.ring ? CPMode::Ring : CPMode::Auto;
+    config.apply(core, mesh);
+    auto shard = [&](const Tensor& t) { return shard_sequence(t, 1, c.cp, r, c.load_balance); };
+    Tensor ql = shard(q), kl = shard(k), vl = shard(v);
+    for (Tensor* t : {&ql, &kl, &vl}) set_requires_grad(*t);
+    Tensor out = core->call(Args{ql, kl, vl})[0];
+    backward(sum(mul(out, shard(w))));
+    std::string e;
+    auto same = [&](const char* what, const Tensor& got, const Tensor& want) {
+      if (got.shape() != want.shape() || !ops::allclose(got, want, 1e-5, 1e-5)) {
+        e += fmt::format("{} differs on rank {} ({} vs {}); ", what, r, got.shape(), want.shape());
+      }
+    };
+    same("output", out, shard(out_ref));
+    same("dq", grad(ql), shard(grad(qr)));
+    same("dk", grad(kl), shard(grad(kr)));
+    same("dv", grad(vl), shard(grad(vr)));
+    errors[r] = e;
+  });
+  for (const std::string& e : errors) CHECK(e.empty());
+  for (const std::string& e : errors) {
+    if (!e.empty()) WARN(e);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("context parallel modes equal single-rank attention", "[cp]") {
+  std::vector<Case> cases;
+  for (bool causal : {false, true}) {
+    for (int cp : {2, 4}) {
+      cases.push_back({"ulysses", cp, cp, false, false, causal, 16, 4, 4});
+      cases.push_back({"allgather", cp, 1, false, false, causal, 16, 4, 2});
+      cases.push_back({"ring", cp, 1, true, false, causal, 16, 4, 2});
+      if (causal) {
+        cases.push_back({"allgather-lb", cp, 1, false, true, causal, 16, 4, 4});
+        cases.push_back({"ring-lb", cp, 1, true, true, causal, 16, 4, 4});
+      }
+    }
+    cases.push_back({"hybrid", 4, 2, false, false, causal, 16, 4, 4});
+  }
+  for (const Case& c : cases) {
+    SECTION(describe(c)) { check_case(c); }
+  }
+}
+
+TEST_CASE("context parallel with grouped-query heads and uneven lengths", "[cp]") {
+  std::vector<Case> cases = {
+      // fewer KV heads than the Ulysses degree: replicated before the all-to-all
+      {"ulysses-gqa", 4, 4, false, false, true, 16, 8, 2},
+      {"hybrid-gqa", 4, 2, false, false, true, 16, 4, 1},
+      // sequence lengths that do not divide cp or 2cp
+      {"ulysses-uneven", 4, 4, false, false, true, 13, 4, 4},
+      {"allgather-uneven", 4, 1, false, false, true, 13, 4, 2},
+      {"ring-uneven", 4, 1, true, false, true, 11, 4, 2},
+      {"allgather-lb-uneven", 2, 1, false, true, true, 13, 4, 4},
+      {"ring-lb-uneven", 4, 1, true, true, true, 19, 4, 2},
+      {"hybrid-uneven", 4, 2, false, false, true, 14, 4, 4},
+  };
+  for (const Case& c : cases) {
+    SECTION(describe(c)) { check_case(c); }
+  }
+}
+
+TEST_CASE("load balance evens out causal attention work", "[cp]") {
+  for (int cp : {2, 4, 8}) {
+    for (int64_t seq : {64, 1024, 1000}) {
+      int64_t lo = INT64_MAX, hi = 0, plain_lo = INT64_MAX, plain_hi = 0;
+      for (int r = 0; r < cp; ++r) {
+        int64_t w = causal_attention_pairs(seq, cp, r, true);
+        lo = std::min(lo, w);
+        hi = std::max(hi, w);
+        int64_t p = causal_attention_pairs(seq, cp, r, false);
+        plain_lo = std::min(plain_lo, p);
+        plain_hi = std::max(plain_hi, p);
+      }
+      INFO("cp=" << cp << " seq=" << seq);
+      CHECK(static_cast<double>(hi) / static_cast<double>(lo) <= 1.05);
+      CHECK(static_cast<double>(plain_hi) / static_cast<double>(plain_lo) > 2.0);
+    }
+  }
+}
+
+TEST_CASE("shard_sequence and unshard_sequence are inverse", "[cp]") {
+  Generator gen(3);
+  for (bool lb : {false, true}) {
+    for (int64_t seq : {16, 13}) {
+      Tensor x = ops::randn({2, seq, 3}, gen);
+      run_ranks(4, [&](ProcessGroupPtr pg) {
+        Tensor local = shard_sequence(x, 1, 4, pg->rank(), lb);
+        Tensor back = unshard_sequence(local, 1, pg, lb);
+        CHECK(ops::equal(back, x));
+      });
+    }
+  }
+}
+
+TEST_CASE("context parallel rejects impossible layouts", "[cp]") {
+  run_ranks(4, [](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {4}, {"cp"});
+    auto core = std::make_shared<nn::CoreAttention>();
+    ContextParallel c;
+    c.ulysses_degree = 3;
+    REQUIRE_THROWS_WITH(c.apply(core, mesh), Catch::Contains("Ulysses degree to divide cp=4"));
+    c.ulysses_degree = 4;
+    c.load_balance = true;
+    REQUIRE_THROWS_WITH(c.apply(core, mesh), Catch::Contains("load balance only"));
+    DeviceMesh mesh2(pg, {2, 2}, {"a", "b"});
+    c.load_balance = false;
+    c.ulysses_degree = 2;
+    REQUIRE_THROWS_WITH(c.apply(core, mesh2), Catch::Contains("named (co, ds)"));
+    DeviceMesh mesh3(pg, {1, 2, 2}, {"x", "y", "z"});
+    REQUIRE_THROWS_WITH(c.apply(core, mesh3), Catch::Contains("3-D mesh"));
+
+    // Heads not divisible by the Ulysses degree, and missing Q/K/V.
+    auto core2 = std::make_shared<nn::CoreAttention>();
+    ContextParallel u;
+    u.ulysses_degree = 4;
+    u.apply(core2, mesh);
+    Tensor t = ops::zeros({1, 2, 6, 4});
+    REQUIRE_THROWS_WITH(core2->call(Args{t, t, t}), Catch::Contains("query heads divisible"));
+    REQUIRE_THROWS_WITH(core2->call(Args{t}), Catch::Contains("expected k in the attention"));
+  });
+}
