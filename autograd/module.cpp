@@ -81,11 +81,15 @@ std::vector<Tensor> Module::call(Args args) {
     for (size_t j = 0; j < index.size(); ++j) args.positional[index[j]] = wrapped[j];
   }
   std::vector<Tensor> outputs = forward(args);
-  for (auto& [id, hook] : hooks_) {
-    if (auto replaced = hook(*this, args, outputs)) outputs = std::move(*replaced);
-  }
+  // Note [Backward pre-hooks see every use]: the outputs pass the backward
+  // pre-hook node *before* the forward hooks run, so a forward hook that
+  // consumes an output (e.g. launches a collective on it) contributes to the
+  // gradient the pre-hooks see, and the module's own backward runs after them.
   if (!backward_pre_hooks_.empty() && grad_mode_enabled() && any_requires_grad(outputs)) {
     outputs = through_hooks(*this, "ModuleBackwardPreHook", backward_pre_hooks_, outputs);
+  }
+  for (auto& [id, hook] : hooks_) {
+    if (auto replaced = hook(*this, args, outputs)) outputs = std::move(*replaced);
   }
   return outputs;
 }

@@ -288,6 +288,12 @@ std::vector<int64_t> block_sums(const std::vector<int64_t>& lengths, int ds) {
 
 void ContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
                             const DeviceMesh& mesh) const {
+  install(core, mesh, true);
+}
+
+std::shared_ptr<CPRuntime> ContextParallel::install(const std::shared_ptr<nn::CoreAttention>& core,
+                                                    const DeviceMesh& mesh,
+                                                    bool collectives_in_pre_hook) const {
   TANDEM_CHECK(core != nullptr, "[parallel::ContextParallel] expected a core-attention module");
   TANDEM_CHECK(mesh.ndim() == 1 || mesh.ndim() == 2,
                "[parallel::ContextParallel] expected a 1-D or 2-D (co, ds) mesh, got a {}-D mesh {}",
@@ -335,30 +341,23 @@ void ContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
   const ContextParallel config = *this;
   const int64_t sd = seq_dim, hd = head_dim;
 
-  // Per-call layout, shared by the pre-hook and the kernel of one forward on
-  // one thread (forwards of different micro-batches run on different threads
-  // or one after another).
-  struct CallState {
-    std::vector<int64_t> lengths;  // every CP rank's local sequence length
-    int64_t total = 0;
-  };
-  auto state = std::make_shared<std::map<std::thread::id, CallState>>();
-  auto state_mu = std::make_shared<std::mutex>();
-  auto set_state = [state, state_mu](CallState s) {
-    std::lock_guard<std::mutex> lock(*state_mu);
-    (*state)[std::this_thread::get_id()] = std::move(s);
-  };
-  auto get_state = [state, state_mu]() {
-    std::lock_guard<std::mutex> lock(*state_mu);
-    return state->at(std::this_thread::get_id());
-  };
+  auto rt = std::make_shared<CPRuntime>();
+  rt->cp = cp;
+  rt->ds = ds;
+  rt->co = co;
+  rt->cp_group = cp_group;
+  rt->ds_group = ds_group;
+  rt->co_group = co_group;
+  auto set_state = [rt](CPCallState s) { rt->set(std::move(s)); };
+  auto get_state = [rt]() { return rt->get(); };
 
+  if (collectives_in_pre_hook) {
   core->register_forward_pre_hook([=](Module&, const Args& in) -> std::optional<Args> {
     Args args = in;
     std::vector<Tensor*> qkv = qkv_slots(args, config);
     Tensor &q = *qkv[0], &k = *qkv[1], &v = *qkv[2];
     const int64_t hq = q.shape()[hd], hkv = k.shape()[hd];
-    CallState s;
+    CPCallState s;
     s.lengths = gather_lengths(q, cp_group, sd);
     for (int64_t l : s.lengths) s.total += l;
     set_state(s);
@@ -397,12 +396,13 @@ void ContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
     }
     return args;
   });
+  }
 
   // The kernel: positions of the local queries against the keys held.
   const int cp_rank = cp_group->rank();
   core->set_kernel([=](const Tensor& q, const Tensor& k, const Tensor& v,
                        const AttentionOptions& options) -> Tensor {
-    CallState s = get_state();
+    CPCallState s = get_state();
     if (ring && cp > 1) {
       auto f = std::make_shared<RingAttention>();
       f->group = cp_group;
@@ -445,7 +445,7 @@ void ContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
   if (ds > 1) {
     core->register_forward_hook([=](Module&, const Args&, const std::vector<Tensor>& outs)
                                     -> std::optional<std::vector<Tensor>> {
-      CallState s = get_state();
+      CPCallState s = get_state();
       std::vector<int64_t> ds_lengths(s.lengths.begin() + (cp_rank / ds) * ds,
                                       s.lengths.begin() + (cp_rank / ds + 1) * ds);
       std::vector<Tensor> o = outs;
@@ -453,6 +453,285 @@ void ContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
       return o;
     });
   }
+  return rt;
+}
+
+}  // namespace tandem
+
+namespace tandem {
+
+void CPRuntime::set(CPCallState s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  calls_[std::this_thread::get_id()] = std::move(s);
+}
+
+CPCallState CPRuntime::get() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(std::this_thread::get_id());
+  TANDEM_CHECK(it != calls_.end(),
+               "[parallel::ContextParallel] expected the attention pre-hook to have run on this "
+               "thread before the kernel, got no layout (was the core called directly?)");
+  return it->second;
+}
+
+namespace {
+
+// One collective launched by a projection's forward hook and finished by the
+// attention pre-hook. `moved` is the autograd-tracked tensor it was launched
+// on; the node that joins it to the received buffer is recorded at finish
+// time, after every projection GEMM, so that in backward all reverse
+// collectives are launched before the first projection waits for its own.
+struct AsyncLaunch {
+  Tensor moved;
+  WorkPtr work;
+  bool all_to_all = true;
+  int64_t features = 0;                        // per-rank features after the all-to-all
+  std::vector<int64_t> in_splits, out_splits;  // all_to_all_single splits
+  std::shared_ptr<Module> projection;
+};
+
+struct AsyncSlots {
+  std::mutex mu;
+  std::map<std::thread::id, std::vector<std::optional<AsyncLaunch>>> forward;  // q, k, v
+  std::map<std::thread::id, std::vector<int64_t>> lengths;
+  std::map<std::pair<std::thread::id, Module*>, WorkPtr> backward;
+};
+
+// The received buffer of an AsyncLaunch, joined to the autograd graph. Its
+// backward launches the reverse collective and returns its (pending) output;
+// the projection's backward pre-hook waits for it before the GEMM reads it.
+struct AsyncCollective final : Function {
+  AsyncLaunch launch;
+  ProcessGroupPtr group;
+  std::shared_ptr<AsyncSlots> slots;
+  const char* name() const override { return "AsyncCollectiveBackward"; }
+  std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>&) override {
+    launch.work->wait();
+    return {launch.work->result()};
+  }
+  std::vector<Tensor> backward(FunctionCtx&, const std::vector<Tensor>& g) override {
+    WorkPtr w;
+    if (launch.all_to_all) {
+      w = group->all_to_all_single(ops::contiguous(g[0]),
+                                   {launch.out_splits, launch.in_splits, "async cp grad"});
+    } else {
+      w = group->reduce_scatter(g[0], {RedOp::Sum, 1, "async cp grad"});
+    }
+    {
+      std::lock_guard<std::mutex> lock(slots->mu);
+      slots->backward[{std::this_thread::get_id(), launch.projection.get()}] = w;
+    }
+    return {w->result()};  // filled asynchronously; waited before the GEMM
+  }
+};
+
+// Identity whose backward waits for the projection's pending reverse
+// collective: placed before ops whose backward would read the pending
+// gradient early (the sums of replicated KV heads).
+struct WaitPoint final : Function {
+  std::shared_ptr<AsyncSlots> slots;
+  Module* projection = nullptr;
+  const char* name() const override { return "AsyncCollectiveWait"; }
+  std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
+    return {in[0]};
+  }
+  std::vector<Tensor> backward(FunctionCtx&, const std::vector<Tensor>& g) override {
+    WorkPtr w;
+    {
+      std::lock_guard<std::mutex> lock(slots->mu);
+      auto it = slots->backward.find({std::this_thread::get_id(), projection});
+      if (it != slots->backward.end()) {
+        w = it->second;
+        slots->backward.erase(it);
+      }
+    }
+    if (w) w->wait();
+    return {g[0]};
+  }
+};
+
+}  // namespace
+
+void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
+                                 const std::shared_ptr<Module>& q_proj,
+                                 const std::shared_ptr<Module>& k_proj,
+                                 const std::shared_ptr<Module>& v_proj,
+                                 const DeviceMesh& mesh) const {
+  TANDEM_CHECK(q_proj && k_proj && v_proj,
+               "[parallel::AsyncContextParallel] expected q, k and v projection modules");
+  TANDEM_CHECK(head_size > 0,
+               "[parallel::AsyncContextParallel] expected head_size > 0 (the projections output "
+               "heads * head_size features), got {}",
+               head_size);
+  TANDEM_CHECK(config.mode == CPMode::Auto && (config.ulysses_degree == 1 ||
+                                               config.ulysses_degree == static_cast<int64_t>(mesh.size())),
+               "[parallel::AsyncContextParallel] expected Ulysses (ulysses_degree == cp) or "
+               "all-gather KV (ulysses_degree == 1) without ring, got ulysses_degree {} on cp={}",
+               config.ulysses_degree, mesh.size());
+  TANDEM_CHECK(config.seq_dim == 1 && config.head_dim == 2,
+               "[parallel::AsyncContextParallel] expected BSHD (seq_dim 1, head_dim 2), got {} and {}",
+               config.seq_dim, config.head_dim);
+  std::shared_ptr<CPRuntime> rt = config.install(core, mesh, false);
+  auto slots = std::make_shared<AsyncSlots>();
+  const bool ulysses = rt->ds > 1;
+  const int64_t hs = head_size;
+  const bool lb = config.load_balance;
+  const int cp = rt->cp;
+  ProcessGroupPtr group = rt->cp_group;
+
+  std::vector<std::shared_ptr<Module>> projections = {q_proj, k_proj, v_proj};
+  for (int i = 0; i < 3; ++i) {
+    if (!ulysses && i == 0) continue;  // all-gather KV leaves Q where it is
+    std::shared_ptr<Module> proj = projections[i];
+    proj->register_forward_hook([=](Module&, const Args&, const std::vector<Tensor>& outs)
+                                    -> std::optional<std::vector<Tensor>> {
+      const Tensor& y = outs.at(0);  // (B, S, heads * hs), already past the backward pre-hook
+      TANDEM_CHECK(y.dim() == 3 && y.shape()[2] % hs == 0,
+                   "[parallel::AsyncContextParallel] expected a projection output (B, S, heads * "
+                   "{}), got {}",
+                   hs, y.shape());
+      std::vector<int64_t> lengths;
+      {
+        std::lock_guard<std::mutex> lock(slots->mu);
+        auto it = slots->lengths.find(std::this_thread::get_id());
+        if (it != slots->lengths.end()) lengths = it->second;
+      }
+      if (lengths.empty()) {
+        lengths = gather_lengths(y, group, 1);
+        std::lock_guard<std::mutex> lock(slots->mu);
+        slots->lengths[std::this_thread::get_id()] = lengths;
+      }
+      AsyncLaunch l;
+      l.projection = proj;
+      const int me = group->rank();
+      if (ulysses) {
+        Tensor x = y;
+        const int64_t heads = y.shape()[2] / hs;
+        if (i > 0 && heads % cp != 0) {
+          Shape h = {y.shape()[0], y.shape()[1], heads, hs};
+          x = reshape(replicate_heads(reshape(y, h), 2, cp), Shape{y.shape()[0], y.shape()[1], -1});
+          // The backward of the replication reads the gradient: wait first.
+          auto wait = std::make_shared<WaitPoint>();
+          wait->slots = slots;
+          wait->projection = proj.get();
+          x = Function::apply(wait, {x})[0];
+        }
+        TANDEM_CHECK(x.shape()[2] / hs % cp == 0,
+                     "[parallel::AsyncContextParallel] expected heads divisible by cp={}, got {}",
+                     cp, x.shape()[2] / hs);
+        // As all_to_all_dims(x, scatter=features, gather=sequence).
+        const int64_t F = x.shape()[2], B = x.shape()[0];
+        l.moved = reshape(contiguous(transpose(x, 0, 2)), Shape{-1});  // (F, S, B) flat
+        const int64_t per_row = x.shape()[1] * B;
+        l.features = F / cp;
+        for (int r = 0; r < cp; ++r) {
+          l.in_splits.push_back(F / cp * per_row);
+          l.out_splits.push_back(F / cp * lengths[r] * B);
+        }
+        (void)me;
+        NoGradGuard no_grad;
+        l.work = group->all_to_all_single(l.moved, {l.in_splits, l.out_splits, "async cp"});
+      } else {
+        const int64_t block = *std::max_element(lengths.begin(), lengths.end());
+        Tensor x = y;
+        if (x.shape()[1] < block) {
+          Shape pad = x.shape();
+          pad[1] = block - x.shape()[1];
+          x = cat({x, zeros(pad, x.dtype(), x.device())}, 1);
+        }
+        l.moved = x;
+        l.all_to_all = false;
+        NoGradGuard no_grad;
+        l.work = group->all_gather(l.moved, {1, "async cp"});
+      }
+      std::lock_guard<std::mutex> lock(slots->mu);
+      auto& pending = slots->forward[std::this_thread::get_id()];
+      pending.resize(3);
+      pending[i] = std::move(l);
+      return std::nullopt;
+    });
+    // Wait for this projection's reverse collective right before its GEMM.
+    proj->register_full_backward_pre_hook(
+        [slots](Module& m, const std::vector<Tensor>&) -> std::optional<std::vector<Tensor>> {
+          WorkPtr w;
+          {
+            std::lock_guard<std::mutex> lock(slots->mu);
+            auto it = slots->backward.find({std::this_thread::get_id(), &m});
+            if (it == slots->backward.end()) return std::nullopt;
+            w = it->second;
+            slots->backward.erase(it);
+          }
+          w->wait();
+          return std::nullopt;
+        });
+  }
+
+  const ContextParallel cfg = config;
+  core->register_forward_pre_hook([=](Module&, const Args& in) -> std::optional<Args> {
+    Args args = in;
+    std::vector<Tensor*> qkv = qkv_slots(args, cfg);
+    std::vector<std::optional<AsyncLaunch>> pending;
+    std::vector<int64_t> lengths;
+    {
+      std::lock_guard<std::mutex> lock(slots->mu);
+      auto tid = std::this_thread::get_id();
+      TANDEM_CHECK(slots->lengths.count(tid) == 1,
+                   "[parallel::AsyncContextParallel] expected the q/k/v projections to run before "
+                   "the attention on this thread, got no launched collectives");
+      pending = std::move(slots->forward[tid]);
+      lengths = slots->lengths[tid];
+      slots->forward.erase(tid);
+      slots->lengths.erase(tid);
+    }
+    CPCallState s;
+    s.lengths = lengths;
+    for (int64_t l : lengths) s.total += l;
+    rt->set(s);
+    pending.resize(3);
+    for (int i = 0; i < 3; ++i) {
+      if (!pending[i]) continue;
+      AsyncLaunch& l = *pending[i];
+      auto fn = std::make_shared<AsyncCollective>();
+      fn->launch = l;
+      fn->group = group;
+      fn->slots = slots;
+      Tensor raw = Function::apply(fn, {l.moved})[0];
+      const Tensor& orig = *qkv[i];
+      const int64_t B = orig.shape()[0];
+      Tensor result;
+      if (l.all_to_all) {
+        // Pieces (F/cp, len_r, B) from each rank, joined along the sequence.
+        const int64_t f = l.features;
+        std::vector<Tensor> parts;
+        int64_t offset = 0;
+        for (int r = 0; r < cp; ++r) {
+          parts.push_back(reshape(narrow(raw, 0, offset, l.out_splits[r]), Shape{f, lengths[r], B}));
+          offset += l.out_splits[r];
+        }
+        Tensor joined = contiguous(transpose(cat(parts, 1), 0, 2));  // (B, S, F/cp)
+        result = reshape(joined, Shape{B, s.total, -1, hs});
+      } else {
+        const int64_t block = *std::max_element(lengths.begin(), lengths.end());
+        std::vector<Tensor> parts;
+        for (int r = 0; r < cp; ++r) parts.push_back(narrow(raw, 1, r * block, lengths[r]));
+        Tensor joined = cat(parts, 1);
+        if (lb) {
+          std::vector<Tensor> by_position(static_cast<size_t>(2 * cp));
+          int64_t offset = 0;
+          for (int r = 0; r < cp; ++r) {
+            auto p = sequence_pieces(s.total, cp, r, true);
+            by_position[r] = narrow(joined, 1, offset, p[0].length);
+            by_position[2 * cp - 1 - r] = narrow(joined, 1, offset + p[0].length, p[1].length);
+            offset += lengths[r];
+          }
+          joined = cat(by_position, 1);
+        }
+        result = reshape(joined, Shape{B, s.total, -1, hs});
+      }
+      *qkv[i] = result;
+    }
+    return args;
+  });
 }
 
 }  // namespace tandem

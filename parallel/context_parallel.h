@@ -30,7 +30,10 @@
 // called on every rank of the mesh, and every forward is collective over it.
 #pragma once
 
+#include <map>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -40,6 +43,23 @@
 namespace tandem {
 
 enum class CPMode { Auto, Ring };
+
+// Per-forward layout shared by the hooks and kernel of one CP layer, keyed by
+// thread (forwards of different micro-batches run on different threads).
+struct CPCallState {
+  std::vector<int64_t> lengths;  // every CP rank's local sequence length
+  int64_t total = 0;
+};
+struct CPRuntime {
+  int cp = 1, ds = 1, co = 1;
+  ProcessGroupPtr cp_group, ds_group, co_group;
+  void set(CPCallState s);
+  CPCallState get() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::thread::id, CPCallState> calls_;
+};
 
 struct ContextParallel {
   int64_t seq_dim = 1;   // of the Q/K/V tensors (BSHD)
@@ -54,6 +74,29 @@ struct ContextParallel {
   // Registers the hooks (and, for ring / load-balanced layouts, the kernel)
   // on `core`. `mesh`: 1-D, or 2-D with dims named "co" and "ds" (hybrid).
   void apply(const std::shared_ptr<nn::CoreAttention>& core, const DeviceMesh& mesh) const;
+
+  // apply() without the collectives of the pre-hook (AsyncContextParallel
+  // launches them from the projections instead); returns the shared runtime.
+  std::shared_ptr<CPRuntime> install(const std::shared_ptr<nn::CoreAttention>& core,
+                                     const DeviceMesh& mesh, bool collectives_in_pre_hook) const;
+};
+
+// The async variant (DESIGN §7): the q/k/v projections' forward hooks launch
+// the all-to-all (Ulysses) or the K/V all-gather as soon as each projection
+// has produced its output, and the attention pre-hook waits for them. In
+// backward, the reverse collective of each gradient is launched as soon as the
+// gradient exists — all three before any is waited on — and waited in the
+// projection's backward pre-hook, just before its GEMM. Communication thus
+// overlaps the projection GEMMs in both directions. Results are identical to
+// ContextParallel's. Supports Ulysses (ulysses_degree == cp) and all-gather KV
+// (ulysses_degree == 1, with or without load balance); the projections output
+// (B, S, heads * head_size).
+struct AsyncContextParallel {
+  ContextParallel config;
+  int64_t head_size = 0;
+  void apply(const std::shared_ptr<nn::CoreAttention>& core, const std::shared_ptr<Module>& q_proj,
+             const std::shared_ptr<Module>& k_proj, const std::shared_ptr<Module>& v_proj,
+             const DeviceMesh& mesh) const;
 };
 
 // Global positions of the sequence pieces a rank holds, in local order: one

@@ -178,3 +178,81 @@ TEST_CASE("context parallel rejects impossible layouts", "[cp]") {
     REQUIRE_THROWS_WITH(core2->call(Args{t}), Catch::Contains("expected k in the attention"));
   });
 }
+
+TEST_CASE("async context parallel equals the sync variant and single-rank attention", "[cp][async]") {
+  struct AsyncCase {
+    int cp;
+    int ds;
+    bool load_balance;
+    int64_t seq;
+    int64_t kv_heads;
+  };
+  for (AsyncCase c : {AsyncCase{2, 2, false, 16, 4}, AsyncCase{4, 4, false, 16, 2},
+                      AsyncCase{4, 4, false, 13, 4}, AsyncCase{2, 1, false, 16, 2},
+                      AsyncCase{4, 1, true, 16, 4}, AsyncCase{4, 1, false, 11, 2}}) {
+    INFO("cp=" << c.cp << " ds=" << c.ds << " lb=" << c.load_balance << " S=" << c.seq
+               << " Hkv=" << c.kv_heads);
+    const int64_t B = 2, d = 32, H = 4;
+    Generator gen(9);
+    Tensor x = ops::randn({B, c.seq, d}, gen);
+    Tensor w = ops::randn({B, c.seq, d}, gen);
+    Generator init(1);
+    auto ref = std::make_shared<nn::SelfAttention>(d, H, c.kv_heads, true, init);
+    Tensor xr = ops::clone(x);
+    set_requires_grad(xr);
+    Tensor out_ref = (*ref)(xr);
+    backward(sum(mul(out_ref, w)));
+    auto ref_params = ref->named_parameters();
+
+    std::vector<int> bad(static_cast<size_t>(c.cp), 0);
+    run_ranks(c.cp, [&](ProcessGroupPtr pg) {
+      const int r = pg->rank();
+      DeviceMesh mesh(pg, {c.cp}, {"cp"});
+      std::vector<Tensor> outs, dxs;
+      std::vector<std::vector<Tensor>> grads;
+      for (bool async : {false, true}) {
+        Generator g(1);
+        auto attn = std::make_shared<nn::SelfAttention>(d, H, c.kv_heads, true, g);
+        ContextParallel config;
+        config.ulysses_degree = c.ds;
+        config.load_balance = c.load_balance;
+        if (async) {
+          AsyncContextParallel a;
+          a.config = config;
+          a.head_size = d / H;
+          a.apply(attn->core(), attn->q_proj(), attn->k_proj(), attn->v_proj(), mesh);
+        } else {
+          config.apply(attn->core(), mesh);
+        }
+        Tensor xl = shard_sequence(x, 1, c.cp, r, c.load_balance);
+        set_requires_grad(xl);
+        Tensor out = (*attn)(xl);
+        backward(sum(mul(out, shard_sequence(w, 1, c.cp, r, c.load_balance))));
+        outs.push_back(out);
+        dxs.push_back(grad(xl));
+        std::vector<Tensor> pg_grads;
+        for (auto& [name, p] : attn->named_parameters()) {
+          WorkPtr sum_w = pg->all_reduce(grad(p));  // CP ranks hold partial weight gradients
+          sum_w->synchronize();
+          pg_grads.push_back(sum_w->result());
+        }
+        grads.push_back(pg_grads);
+      }
+      int b = 0;
+      b += ops::equal(outs[0], outs[1]) ? 0 : 1;
+      b += ops::equal(dxs[0], dxs[1]) ? 0 : 1;
+      b += ops::allclose(outs[1], shard_sequence(out_ref, 1, c.cp, r, c.load_balance), 1e-5, 1e-5)
+               ? 0
+               : 1;
+      for (size_t i = 0; i < grads[0].size(); ++i) {
+        b += ops::allclose(grads[0][i], grads[1][i], 1e-6, 1e-7) ? 0 : 1;
+        b += ops::allclose(grads[1][i], grad(ref_params[i].second), 1e-5, 1e-5) ? 0 : 1;
+      }
+      b += ops::allclose(dxs[1], shard_sequence(grad(xr), 1, c.cp, r, c.load_balance), 1e-5, 1e-5)
+               ? 0
+               : 1;
+      bad[r] = b;
+    });
+    for (int b : bad) CHECK(b == 0);
+  }
+}
