@@ -6,6 +6,7 @@
 #include "autograd/ops.h"
 #include "comm/threads/threads_backend.h"
 #include "parallel/context_parallel.h"
+#include "parallel/tensor_parallel.h"
 
 using namespace tandem;
 
@@ -252,6 +253,57 @@ TEST_CASE("async context parallel equals the sync variant and single-rank attent
                ? 0
                : 1;
       bad[r] = b;
+    });
+    for (int b : bad) CHECK(b == 0);
+  }
+}
+
+TEST_CASE("context parallel composes with tensor parallel on a (cp, tp) mesh", "[cp][tp]") {
+  for (int ds : {1, 2}) {
+    INFO("ulysses_degree=" << ds);
+    const int64_t B = 2, S = 12, d = 32, H = 8;
+    Generator gen(21);
+    Tensor x = ops::randn({B, S, d}, gen);
+    Tensor w = ops::randn({B, S, d}, gen);
+    Generator init(1);
+    auto ref = std::make_shared<nn::SelfAttention>(d, H, 4, true, init);
+    Tensor xr = ops::clone(x);
+    set_requires_grad(xr);
+    Tensor out_ref = (*ref)(xr);
+    backward(sum(mul(out_ref, w)));
+    auto ref_params = ref->named_parameters();
+
+    std::vector<int> bad(4, -1);
+    run_ranks(4, [&](ProcessGroupPtr pg) {
+      DeviceMesh mesh(pg, {2, 2}, {"cp", "tp"});
+      DeviceMesh tp = mesh.slice("tp"), cp = mesh.slice("cp");
+      const int c = static_cast<int>(mesh.coordinate()[0]);
+      Generator g(1);
+      auto attn = std::make_shared<nn::SelfAttention>(d, H, 4, true, g);
+      parallelize_module(attn, tp,
+                         {{"q_proj", colwise()}, {"k_proj", colwise()}, {"v_proj", colwise()},
+                          {"o_proj", rowwise()}});
+      ContextParallel config;
+      config.ulysses_degree = ds;
+      config.apply(attn->core(), cp);
+      Tensor xl = shard_sequence(x, 1, 2, c, false);
+      set_requires_grad(xl);
+      Tensor out = (*attn)(xl);
+      backward(sum(mul(out, shard_sequence(w, 1, 2, c, false))));
+      int b = 0;
+      b += ops::allclose(out, shard_sequence(out_ref, 1, 2, c, false), 1e-5, 1e-5) ? 0 : 1;
+      b += ops::allclose(grad(xl), shard_sequence(grad(xr), 1, 2, c, false), 1e-5, 1e-5) ? 0 : 1;
+      auto params = attn->named_parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        // Weight gradients: a tensor-parallel shard, partial over the sequence shards.
+        WorkPtr sum_cp = cp.get_group()->all_reduce(grad(params[i].second));
+        sum_cp->synchronize();
+        const std::string& name = params[i].first;
+        Placement p = name.rfind("o_proj", 0) == 0 ? Shard(1) : Shard(0);
+        Tensor want = DTensor::distribute(grad(ref_params[i].second), tp, {p}).to_local();
+        b += ops::allclose(sum_cp->result(), want, 1e-5, 1e-5) ? 0 : 1;
+      }
+      bad[pg->rank()] = b;
     });
     for (int b : bad) CHECK(b == 0);
   }
