@@ -5,6 +5,7 @@
 #include "autograd/nn/attention.h"
 #include "autograd/ops.h"
 #include "comm/threads/threads_backend.h"
+#include "tests/support/rank_checks.h"
 #include "parallel/context_parallel.h"
 #include "parallel/tensor_parallel.h"
 
@@ -143,31 +144,34 @@ TEST_CASE("shard_sequence and unshard_sequence are inverse", "[cp]") {
   for (bool lb : {false, true}) {
     for (int64_t seq : {16, 13}) {
       Tensor x = ops::randn({2, seq, 3}, gen);
+      tandem::testing::RankChecks rc;
       run_ranks(4, [&](ProcessGroupPtr pg) {
         Tensor local = shard_sequence(x, 1, 4, pg->rank(), lb);
         Tensor back = unshard_sequence(local, 1, pg, lb);
-        CHECK(ops::equal(back, x));
+        RANK_CHECK(rc, ops::equal(back, x));
       });
+      rc.report();
     }
   }
 }
 
 TEST_CASE("context parallel rejects impossible layouts", "[cp]") {
-  run_ranks(4, [](ProcessGroupPtr pg) {
+  tandem::testing::RankChecks rc;
+  run_ranks(4, [&](ProcessGroupPtr pg) {
     DeviceMesh mesh(pg, {4}, {"cp"});
     auto core = std::make_shared<nn::CoreAttention>();
     ContextParallel c;
     c.ulysses_degree = 3;
-    REQUIRE_THROWS_WITH(c.apply(core, mesh), Catch::Contains("Ulysses degree to divide cp=4"));
+    RANK_CHECK_THROWS_WITH(rc, c.apply(core, mesh), "Ulysses degree to divide cp=4");
     c.ulysses_degree = 4;
     c.load_balance = true;
-    REQUIRE_THROWS_WITH(c.apply(core, mesh), Catch::Contains("load balance only"));
+    RANK_CHECK_THROWS_WITH(rc, c.apply(core, mesh), "load balance only");
     DeviceMesh mesh2(pg, {2, 2}, {"a", "b"});
     c.load_balance = false;
     c.ulysses_degree = 2;
-    REQUIRE_THROWS_WITH(c.apply(core, mesh2), Catch::Contains("named (co, ds)"));
+    RANK_CHECK_THROWS_WITH(rc, c.apply(core, mesh2), "named (co, ds)");
     DeviceMesh mesh3(pg, {1, 2, 2}, {"x", "y", "z"});
-    REQUIRE_THROWS_WITH(c.apply(core, mesh3), Catch::Contains("3-D mesh"));
+    RANK_CHECK_THROWS_WITH(rc, c.apply(core, mesh3), "3-D mesh");
 
     // Heads not divisible by the Ulysses degree, and missing Q/K/V.
     auto core2 = std::make_shared<nn::CoreAttention>();
@@ -175,9 +179,10 @@ TEST_CASE("context parallel rejects impossible layouts", "[cp]") {
     u.ulysses_degree = 4;
     u.apply(core2, mesh);
     Tensor t = ops::zeros({1, 2, 6, 4});
-    REQUIRE_THROWS_WITH(core2->call(Args{t, t, t}), Catch::Contains("query heads divisible"));
-    REQUIRE_THROWS_WITH(core2->call(Args{t}), Catch::Contains("expected k in the attention"));
+    RANK_CHECK_THROWS_WITH(rc, core2->call(Args{t, t, t}), "query heads divisible");
+    RANK_CHECK_THROWS_WITH(rc, core2->call(Args{t}), "expected k in the attention");
   });
+  rc.report();
 }
 
 TEST_CASE("async context parallel equals the sync variant and single-rank attention", "[cp][async]") {

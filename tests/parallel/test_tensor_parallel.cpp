@@ -5,6 +5,7 @@
 #include "autograd/nn/transformer.h"
 #include "autograd/ops.h"
 #include "comm/threads/threads_backend.h"
+#include "tests/support/rank_checks.h"
 #include "parallel/dtensor_ops.h"
 #include "parallel/tensor_parallel.h"
 
@@ -91,6 +92,7 @@ TEST_CASE("column- then row-parallel linears with a bias", "[tp]") {
   set_requires_grad(xr);
   Tensor yr = (*b)((*a)(xr));
   backward(sum(mul(yr, yr)));
+  tandem::testing::RankChecks rc;
   run_ranks(2, [&](ProcessGroupPtr pg) {
     DeviceMesh mesh(pg, {2}, {"tp"});
     Generator g(5);
@@ -102,13 +104,14 @@ TEST_CASE("column- then row-parallel linears with a bias", "[tp]") {
     set_requires_grad(xl);
     Tensor y = (*lb)((*la)(xl));
     backward(sum(mul(y, y)));
-    CHECK(close(y, yr));
-    CHECK(close(grad(xl), grad(xr), 1e-5, 1e-5));
-    CHECK(close(grad(la->bias()), DTensor::distribute(grad(a->bias()), mesh, {Shard(0)}).to_local()));
-    CHECK(close(grad(lb->bias()), grad(b->bias())));  // added once, after the reduction
-    CHECK(close(grad(lb->weight()),
+    RANK_CHECK(rc, close(y, yr));
+    RANK_CHECK(rc, close(grad(xl), grad(xr), 1e-5, 1e-5));
+    RANK_CHECK(rc, close(grad(la->bias()), DTensor::distribute(grad(a->bias()), mesh, {Shard(0)}).to_local()));
+    RANK_CHECK(rc, close(grad(lb->bias()), grad(b->bias())));  // added once, after the reduction
+    RANK_CHECK(rc, close(grad(lb->weight()),
                 DTensor::distribute(grad(b->weight()), mesh, {Shard(1)}).to_local(), 1e-5, 1e-6));
   });
+  rc.report();
 }
 
 TEST_CASE("DTensor ops derive placements and match the full computation", "[tp][dtensor-ops]") {
@@ -117,75 +120,77 @@ TEST_CASE("DTensor ops derive placements and match the full computation", "[tp][
   Tensor w = ops::randn({4}, gen), bias = ops::randn({4}, gen);
   Tensor table = ops::randn({7, 4}, gen);
   // Every rank reads these; none draws random numbers of its own.
+  tandem::testing::RankChecks rc;
   run_ranks(2, [&](ProcessGroupPtr pg) {
     DeviceMesh mesh(pg, {2}, {"tp"});
     auto dist = [&](const Tensor& t, Placement p) { return DTensor::distribute(t, mesh, {p}); };
 
     // Elementwise with broadcasting: a row-sharded matrix plus a replicated vector.
     DTensor s = add(dist(A, Shard(0)), dist(v, Replicate()));
-    CHECK(s.placements()[0] == Shard(0));
-    CHECK(close(s.full_tensor(), ops::add(A, v)));
+    RANK_CHECK(rc, s.placements()[0] == Shard(0));
+    RANK_CHECK(rc, close(s.full_tensor(), ops::add(A, v)));
     // Partial + Partial stays Partial; Partial * Replicate stays Partial.
     DTensor p = add(dist(A, Partial()), dist(A, Partial()));
-    CHECK(p.placements()[0].is_partial());
-    CHECK(close(p.full_tensor(), ops::mul(A, 2.0)));
+    RANK_CHECK(rc, p.placements()[0].is_partial());
+    RANK_CHECK(rc, close(p.full_tensor(), ops::mul(A, 2.0)));
     DTensor pm = mul(dist(A, Partial()), dist(v, Replicate()));
-    CHECK(pm.placements()[0].is_partial());
-    CHECK(close(pm.full_tensor(), ops::mul(A, v)));
+    RANK_CHECK(rc, pm.placements()[0].is_partial());
+    RANK_CHECK(rc, close(pm.full_tensor(), ops::mul(A, v)));
 
     // matmul rules.
     DTensor m1 = matmul(dist(A, Shard(0)), dist(B, Replicate()));
-    CHECK(m1.placements()[0] == Shard(0));
+    RANK_CHECK(rc, m1.placements()[0] == Shard(0));
     DTensor m2 = matmul(dist(A, Replicate()), dist(B, Shard(1)));
-    CHECK(m2.placements()[0] == Shard(1));
+    RANK_CHECK(rc, m2.placements()[0] == Shard(1));
     DTensor m3 = matmul(dist(A, Shard(1)), dist(B, Shard(0)));
-    CHECK(m3.placements()[0].is_partial());
-    for (const DTensor& m : {m1, m2, m3}) CHECK(close(m.full_tensor(), ops::matmul(A, B)));
+    RANK_CHECK(rc, m3.placements()[0].is_partial());
+    for (const DTensor& m : {m1, m2, m3}) RANK_CHECK(rc, close(m.full_tensor(), ops::matmul(A, B)));
     // No rule (row-sharded a with column-sharded b): b is gathered, result still right.
     DTensor m4 = matmul(dist(A, Shard(0)), dist(B, Shard(1)));
-    CHECK(close(m4.full_tensor(), ops::matmul(A, B)));
+    RANK_CHECK(rc, close(m4.full_tensor(), ops::matmul(A, B)));
 
     // Reductions over a sharded dim become Partial; other shards are kept.
     DTensor r1 = sum(dist(A, Shard(0)), {0});
-    CHECK(r1.placements()[0].is_partial());
-    CHECK(close(r1.full_tensor(), ops::sum(A, {0})));
+    RANK_CHECK(rc, r1.placements()[0].is_partial());
+    RANK_CHECK(rc, close(r1.full_tensor(), ops::sum(A, {0})));
     DTensor r2 = mean(dist(A, Shard(0)), {1});
-    CHECK(r2.placements()[0] == Shard(0));
-    CHECK(close(r2.full_tensor(), ops::mean(A, {1})));
+    RANK_CHECK(rc, r2.placements()[0] == Shard(0));
+    RANK_CHECK(rc, close(r2.full_tensor(), ops::mean(A, {1})));
     DTensor r3 = mean(dist(A, Shard(0)), {0});
-    CHECK(close(r3.full_tensor(), ops::mean(A, {0})));
+    RANK_CHECK(rc, close(r3.full_tensor(), ops::mean(A, {0})));
 
     // softmax and norms over the last dim: a shard of that dim is gathered first.
-    CHECK(close(softmax(dist(A, Shard(0)), -1).full_tensor(), ops::softmax(A, -1)));
+    RANK_CHECK(rc, close(softmax(dist(A, Shard(0)), -1).full_tensor(), ops::softmax(A, -1)));
     DTensor sm = softmax(dist(A, Shard(1)), -1);
-    CHECK(sm.placements()[0].is_replicate());
-    CHECK(close(sm.full_tensor(), ops::softmax(A, -1)));
-    CHECK(close(layer_norm(dist(A, Shard(0)), dist(w, Replicate()), dist(bias, Replicate()))
+    RANK_CHECK(rc, sm.placements()[0].is_replicate());
+    RANK_CHECK(rc, close(sm.full_tensor(), ops::softmax(A, -1)));
+    RANK_CHECK(rc, close(layer_norm(dist(A, Shard(0)), dist(w, Replicate()), dist(bias, Replicate()))
                     .full_tensor(),
                 ops::layer_norm(A, w, bias).out, 1e-5, 1e-5));
-    CHECK(close(rms_norm(dist(A, Shard(0)), dist(w, Replicate())).full_tensor(),
+    RANK_CHECK(rc, close(rms_norm(dist(A, Shard(0)), dist(w, Replicate())).full_tensor(),
                 ops::rms_norm(A, w).out, 1e-5, 1e-5));
 
     // Embedding: replicated table with sharded indices, column- and vocab-parallel tables.
     Tensor idx = ops::from_vector<int64_t>({6, 0, 3, 3, 5, 1}, {6});
     Tensor want = ops::embedding(table, idx);
     DTensor e1 = embedding(dist(table, Replicate()), dist(idx, Shard(0)));
-    CHECK(e1.placements()[0] == Shard(0));
+    RANK_CHECK(rc, e1.placements()[0] == Shard(0));
     DTensor e2 = embedding(dist(table, Shard(1)), dist(idx, Replicate()));
-    CHECK(e2.placements()[0] == Shard(1));
+    RANK_CHECK(rc, e2.placements()[0] == Shard(1));
     DTensor e3 = embedding(dist(table, Shard(0)), dist(idx, Replicate()));
-    CHECK(e3.placements()[0].is_partial());
-    for (const DTensor& e : {e1, e2, e3}) CHECK(close(e.full_tensor(), want));
+    RANK_CHECK(rc, e3.placements()[0].is_partial());
+    for (const DTensor& e : {e1, e2, e3}) RANK_CHECK(rc, close(e.full_tensor(), want));
 
     // reshape keeps a shard whose dim survives; transpose moves it.
     DTensor t3 = DTensor::distribute(ops::reshape(A, {6, 2, 2}), mesh, {Shard(0)});
     DTensor flat = reshape(t3, {6, 4});
-    CHECK(flat.placements()[0] == Shard(0));
-    CHECK(close(flat.full_tensor(), A));
+    RANK_CHECK(rc, flat.placements()[0] == Shard(0));
+    RANK_CHECK(rc, close(flat.full_tensor(), A));
     DTensor tr = transpose(dist(A, Shard(0)), 0, 1);
-    CHECK(tr.placements()[0] == Shard(1));
-    CHECK(close(tr.full_tensor(), ops::transpose(A, 0, 1)));
+    RANK_CHECK(rc, tr.placements()[0] == Shard(1));
+    RANK_CHECK(rc, close(tr.full_tensor(), ops::transpose(A, 0, 1)));
   });
+  rc.report();
 }
 
 TEST_CASE("gradients through DTensor ops follow the convention", "[tp][dtensor-ops]") {
@@ -196,6 +201,7 @@ TEST_CASE("gradients through DTensor ops follow the convention", "[tp][dtensor-o
   set_requires_grad(wr);
   backward(sum(tandem::tanh(tandem::matmul(xr, wr))));
   for (Placement pw : {Shard(0), Shard(1), Replicate()}) {
+    tandem::testing::RankChecks rc;
     run_ranks(2, [&](ProcessGroupPtr pg) {
       DeviceMesh mesh(pg, {2}, {"tp"});
       Placement px = pw.is_shard(0) ? Shard(1) : Replicate();  // contract K when W is row-split
@@ -210,22 +216,24 @@ TEST_CASE("gradients through DTensor ops follow the convention", "[tp][dtensor-o
       backward(sum(full));
       // Each rank's loss is the whole loss; the gradients of the local pieces
       // are the matching pieces of the full gradients.
-      CHECK(close(grad(xl), DTensor::distribute(grad(xr), mesh, {px}).to_local(), 1e-5, 1e-6));
-      CHECK(close(grad(wl), DTensor::distribute(grad(wr), mesh, {pw}).to_local(), 1e-5, 1e-6));
+      RANK_CHECK(rc, close(grad(xl), DTensor::distribute(grad(xr), mesh, {px}).to_local(), 1e-5, 1e-6));
+      RANK_CHECK(rc, close(grad(wl), DTensor::distribute(grad(wr), mesh, {pw}).to_local(), 1e-5, 1e-6));
     });
+    rc.report();
   }
 }
 
 TEST_CASE("parallel styles reject what they cannot shard", "[tp]") {
-  run_ranks(2, [](ProcessGroupPtr pg) {
+  tandem::testing::RankChecks rc;
+  run_ranks(2, [&](ProcessGroupPtr pg) {
     DeviceMesh mesh(pg, {2}, {"tp"});
     Generator g(1);
     auto norm = std::make_shared<nn::LayerNorm>(4);
-    REQUIRE_THROWS_WITH(colwise()->apply(*norm, mesh), Catch::Contains("expected an nn::Linear"));
+    RANK_CHECK_THROWS_WITH(rc, colwise()->apply(*norm, mesh), "expected an nn::Linear");
     auto lin = std::make_shared<nn::Linear>(4, 4, g);
-    REQUIRE_THROWS_WITH(parallelize_module(lin, mesh, {{"nope", colwise()}}),
-                        Catch::Contains("no such module"));
+    RANK_CHECK_THROWS_WITH(rc, parallelize_module(lin, mesh, {{"nope", colwise()}}), "no such module");
     DeviceMesh mesh2(pg, {1, 2}, {"dp", "tp"});
-    REQUIRE_THROWS_WITH(colwise()->apply(*lin, mesh2), Catch::Contains("expected a 1-D mesh"));
+    RANK_CHECK_THROWS_WITH(rc, colwise()->apply(*lin, mesh2), "expected a 1-D mesh");
   });
+  rc.report();
 }
