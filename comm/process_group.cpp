@@ -71,7 +71,7 @@ LedgerEntry ProcessGroup::entry_for(const char* op, const Tensor& t, int peer,
 
 WorkPtr ProcessGroup::issue(Collective c, std::vector<Tensor> keep) {
   const char* name = collective_name(c.kind);
-  c.work = std::make_shared<Work>(fmt::format("{} ({})", name, where()));
+  c.work = make_work(fmt::format("{} ({})", name, where()));
   std::vector<Tensor> outputs;
   if (c.output.defined()) outputs.push_back(c.output);
   for (const Tensor& t : c.p2p_outputs) outputs.push_back(t);

@@ -99,6 +99,11 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   virtual std::shared_ptr<ProcessGroup> make_subgroup(const std::vector<int>& ranks,
                                                       int new_rank, const std::string& name) = 0;
   [[noreturn]] void unsupported(const char* what) const;
+  // The Work a launch returns; a backend whose completion is a device event
+  // (NCCL) returns a subclass whose wait() is stream-side.
+  virtual WorkPtr make_work(std::string description) {
+    return std::make_shared<Work>(std::move(description));
+  }
 
  private:
   WorkPtr issue(Collective c, std::vector<Tensor> keep);

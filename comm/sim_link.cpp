@@ -28,9 +28,13 @@ double LinkModel::transfer_us(CollectiveKind kind, double bytes) const {
   return c.latency_us + bytes / (c.bandwidth_gbps * 1e3);
 }
 
-LinkModel LinkModel::nvlink() { return LinkModel{2.0, 450.0, {}}; }
+LinkModel LinkModel::nvlink() {
+  return LinkModel{2.0, 450.0, {}};
+}
 
-LinkModel LinkModel::infiniband() { return LinkModel{5.0, 50.0, {}}; }
+LinkModel LinkModel::infiniband() {
+  return LinkModel{5.0, 50.0, {}};
+}
 
 namespace {
 
@@ -113,7 +117,8 @@ class LinkTimer {
 // Bytes of one row (dim 0 slice) of `t`.
 double row_bytes(const Tensor& t) {
   double n = static_cast<double>(t.element_size());
-  for (int d = 1; d < t.dim(); ++d) n *= static_cast<double>(t.shape()[d]);
+  for (int d = 1; d < t.dim(); ++d)
+    n *= static_cast<double>(t.shape()[d]);
   return n;
 }
 
@@ -121,10 +126,14 @@ double row_bytes(const Tensor& t) {
 double link_bytes(const Collective& c, int rank, int size) {
   const double fraction = static_cast<double>(size - 1) / size;
   switch (c.kind) {
-    case CollectiveKind::AllReduce: return 2.0 * fraction * static_cast<double>(c.input.nbytes());
-    case CollectiveKind::Broadcast: return static_cast<double>(c.input.nbytes());
-    case CollectiveKind::AllGather: return fraction * static_cast<double>(c.output.nbytes());
-    case CollectiveKind::ReduceScatter: return fraction * static_cast<double>(c.input.nbytes());
+    case CollectiveKind::AllReduce:
+      return 2.0 * fraction * static_cast<double>(c.input.nbytes());
+    case CollectiveKind::Broadcast:
+      return static_cast<double>(c.input.nbytes());
+    case CollectiveKind::AllGather:
+      return fraction * static_cast<double>(c.output.nbytes());
+    case CollectiveKind::ReduceScatter:
+      return fraction * static_cast<double>(c.input.nbytes());
     case CollectiveKind::AllToAll: {
       int64_t sent = 0, received = 0;
       for (int r = 0; r < size; ++r) {
@@ -143,7 +152,8 @@ double link_bytes(const Collective& c, int rank, int size) {
       }
       return std::max(sent, received);
     }
-    case CollectiveKind::Barrier: return 0;
+    case CollectiveKind::Barrier:
+      return 0;
   }
   return 0;
 }
@@ -203,12 +213,12 @@ class SimLinkProcessGroup final : public ProcessGroup {
     const double bytes = link_bytes(c, rank(), size());
     const double us = model_.transfer_us(cost_kind(c), bytes);
     const Clock::time_point start = std::max(now, link_free_);
-    const Clock::time_point deadline =
-        start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::micro>(us));
+    const Clock::time_point deadline = start + std::chrono::duration_cast<Clock::duration>(
+                                                   std::chrono::duration<double, std::micro>(us));
     link_free_ = deadline;
     if (trace_enabled()) {
-      int64_t start_us =
-          trace_now_us() + std::chrono::duration_cast<std::chrono::microseconds>(start - now).count();
+      int64_t start_us = trace_now_us() +
+                         std::chrono::duration_cast<std::chrono::microseconds>(start - now).count();
       trace_complete("link", fmt::format("{} #{}", collective_name(c.kind), c.entry.seq), start_us,
                      std::llround(us),
                      fmt::format("\"seq\":{},\"group\":\"{}\",\"bytes\":{:.0f}", c.entry.seq,
@@ -254,7 +264,8 @@ void check_cost(const LinkCost& cost, const char* what) {
 ProcessGroupPtr simulate_link(ProcessGroupPtr inner, LinkModel model) {
   TANDEM_CHECK(inner != nullptr, "[comm::simulate_link] expected an inner group, got nullptr");
   check_cost(LinkCost{model.latency_us, model.bandwidth_gbps}, "the model's");
-  for (const auto& [kind, cost] : model.overrides) check_cost(cost, collective_name(kind));
+  for (const auto& [kind, cost] : model.overrides)
+    check_cost(cost, collective_name(kind));
   return std::make_shared<SimLinkProcessGroup>(std::move(inner), std::move(model));
 }
 

@@ -37,12 +37,44 @@ configure_and_build() {
   ninja -C "$build" -j "$jobs"
 }
 
+# The threaded suites again under ThreadSanitizer (its own build directory,
+# CUDA/MPI off; ccache keeps rebuilds cheap). TANDEM_SKIP_TSAN=1 skips it.
+tsan_build="${TANDEM_TSAN_BUILD_DIR:-$root/build-tsan}"
+tsan_suites=(runtime comm autograd parallel)
+run_tsan() {
+  if [[ ! -f "$tsan_build/build.ninja" ]]; then
+    meson setup "$tsan_build" "$root" -Dcuda=disabled -Dmpi=disabled -Dnccl=disabled \
+      -Db_sanitize=thread -Db_lundef=false -Dbuildtype=debugoptimized >/dev/null
+  fi
+  local targets=()
+  for s in "${tsan_suites[@]}"; do targets+=("tests/tandem-tests-$s"); done
+  ninja -C "$tsan_build" -j "$jobs" "${targets[@]}"
+  rm -f "$tsan_build"/tests/junit-tsan-*.xml
+  local failed=0
+  for s in "${tsan_suites[@]}"; do
+    echo "tandem: ThreadSanitizer: $s"
+    if ! TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$root/tools/tsan.supp" \
+        TANDEM_WAIT_TIMEOUT_S=300 "$tsan_build/tests/tandem-tests-$s" --use-colour no \
+        -r junit -o "$tsan_build/tests/junit-tsan-$s.xml" >"$tsan_build/tests/tsan-$s.log" 2>&1; then
+      echo "tandem: ThreadSanitizer run of $s failed (log: $tsan_build/tests/tsan-$s.log):"
+      grep -m 5 -A 20 "WARNING: ThreadSanitizer" "$tsan_build/tests/tsan-$s.log" || tail -20 "$tsan_build/tests/tsan-$s.log"
+      failed=$((failed + 1))
+    fi
+  done
+  return $failed
+}
+
 run_tests() {
   cd "$build"
   rm -f tests/junit-*.xml
-  local status=0
+  local status=0 tsan_failed=0
   meson test --no-rebuild --print-errorlogs --num-processes 1 || status=$?
-  python3 "$root/tools/junit_summary.py" tests/junit-*.xml || status=1
+  local reports=(tests/junit-*.xml)
+  if [[ "${TANDEM_SKIP_TSAN:-0}" != 1 ]]; then
+    run_tsan || tsan_failed=$?
+    reports+=("$tsan_build"/tests/junit-tsan-*.xml)
+  fi
+  TANDEM_EXTRA_FAILURES=$tsan_failed python3 "$root/tools/junit_summary.py" "${reports[@]}" || status=1
   return $status
 }
 

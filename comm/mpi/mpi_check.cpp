@@ -8,19 +8,26 @@ namespace tandem::mpi {
 std::string error_string(int code) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return fmt::format("MPI error {}", code);
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS)
+    return fmt::format("MPI error {}", code);
   return fmt::format("{} (MPI error {})", std::string(text, static_cast<size_t>(length)), code);
 }
 
 MPI_Datatype move_type(DType dtype) {
   switch (dtype) {
-    case DType::F32: return MPI_FLOAT;
-    case DType::F64: return MPI_DOUBLE;
+    case DType::F32:
+      return MPI_FLOAT;
+    case DType::F64:
+      return MPI_DOUBLE;
     case DType::BF16:
-    case DType::F16: return MPI_UINT16_T;
-    case DType::I32: return MPI_INT32_T;
-    case DType::I64: return MPI_INT64_T;
-    case DType::Bool: return MPI_C_BOOL;
+    case DType::F16:
+      return MPI_UINT16_T;
+    case DType::I32:
+      return MPI_INT32_T;
+    case DType::I64:
+      return MPI_INT64_T;
+    case DType::Bool:
+      return MPI_C_BOOL;
   }
   TANDEM_FAIL("[comm::mpi] expected a valid dtype, got {}", static_cast<int>(dtype));
 }

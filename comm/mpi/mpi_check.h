@@ -38,9 +38,9 @@ int count_of(int64_t n, const char* what);
 
 }  // namespace tandem::mpi
 
-#define TANDEM_MPI_CHECK(expr)                                                             \
-  do {                                                                                     \
-    int tandem_mpi_rc_ = (expr);                                                           \
-    TANDEM_CHECK(tandem_mpi_rc_ == MPI_SUCCESS, "[mpi] {} failed: {}", #expr,              \
-                 ::tandem::mpi::error_string(tandem_mpi_rc_));                             \
+#define TANDEM_MPI_CHECK(expr)                                                \
+  do {                                                                        \
+    int tandem_mpi_rc_ = (expr);                                              \
+    TANDEM_CHECK(tandem_mpi_rc_ == MPI_SUCCESS, "[mpi] {} failed: {}", #expr, \
+                 ::tandem::mpi::error_string(tandem_mpi_rc_));                \
   } while (0)

@@ -20,11 +20,16 @@ constexpr std::chrono::milliseconds kOrphanPoll{5};
 
 const char* thread_level_name(int level) {
   switch (level) {
-    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
-    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
-    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
-    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
-    default: return "an unknown thread level";
+    case MPI_THREAD_SINGLE:
+      return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED:
+      return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED:
+      return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE:
+      return "MPI_THREAD_MULTIPLE";
+    default:
+      return "an unknown thread level";
   }
 }
 
@@ -47,7 +52,9 @@ Executor::Executor(int world_rank, int world_size, bool thread_multiple)
       world_channel_(std::make_shared<Channel>(MPI_COMM_WORLD)),
       thread_([this] { loop(); }) {}
 
-Executor::~Executor() { stop(); }
+Executor::~Executor() {
+  stop();
+}
 
 void Executor::submit(std::shared_ptr<Channel> channel, std::unique_ptr<Task> task) {
   {
@@ -71,7 +78,9 @@ void Executor::release(MPI_Comm comm) {
   cv_.notify_one();
 }
 
-void Executor::adopt(Orphan orphan) { orphans_.push_back(std::move(orphan)); }
+void Executor::adopt(Orphan orphan) {
+  orphans_.push_back(std::move(orphan));
+}
 
 void Executor::stop() noexcept {
   {

@@ -45,7 +45,8 @@ class Failures {
   std::string str() const {
     std::lock_guard<std::mutex> lock(mu_);
     std::string s;
-    for (size_t i = 0; i < list_.size() && i < 20; ++i) s += list_[i] + "\n";
+    for (size_t i = 0; i < list_.size() && i < 20; ++i)
+      s += list_[i] + "\n";
     if (list_.size() > 20) s += fmt::format("... and {} more\n", list_.size() - 20);
     return s;
   }
@@ -85,11 +86,14 @@ void expect_tensor(Failures& failures, int rank, const std::string& what, const 
 }
 
 // Element i of rank r's test data: a small integer in [-8, 8].
-double value(int rank, int64_t i) { return static_cast<double>((rank * 7 + i * 3) % 17 - 8); }
+double value(int rank, int64_t i) {
+  return static_cast<double>((rank * 7 + i * 3) % 17 - 8);
+}
 
 std::vector<double> rank_values(int rank, int64_t n) {
   std::vector<double> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = value(rank, i);
+  for (int64_t i = 0; i < n; ++i)
+    v[static_cast<size_t>(i)] = value(rank, i);
   return v;
 }
 
@@ -208,12 +212,14 @@ TEST_CASE("all_gather along dim 0 and dim 1", "[collectives]") {
           std::vector<double> e0, e1;
           for (int r = 0; r < world; ++r) {
             for (int i = 0; i < 2; ++i) {
-              for (int j = 0; j < 3; ++j) e0.push_back(value(r, 3 * i + j));
+              for (int j = 0; j < 3; ++j)
+                e0.push_back(value(r, 3 * i + j));
             }
           }
           for (int i = 0; i < 2; ++i) {
             for (int r = 0; r < world; ++r) {
-              for (int j = 0; j < 3; ++j) e1.push_back(value(r, 3 * i + j));
+              for (int j = 0; j < 3; ++j)
+                e1.push_back(value(r, 3 * i + j));
             }
           }
           expect_tensor(failures, rank, "all_gather dim 0", w0->result(), {2 * world, 3}, e0);
@@ -245,12 +251,10 @@ TEST_CASE("reduce_scatter along dim 0 and dim 1", "[collectives]") {
             std::vector<double> e0, e1;
             for (int64_t i = 0; i < 2; ++i) {
               for (int64_t j = 0; j < 3; ++j) {
-                e0.push_back(reduce_value(op, world, dtype, [&](int r) {
-                  return value(r, (2 * rank + i) * 3 + j);
-                }));
-                e1.push_back(reduce_value(op, world, dtype, [&](int r) {
-                  return value(r, i * 3 * w + 3 * rank + j);
-                }));
+                e0.push_back(reduce_value(op, world, dtype,
+                                          [&](int r) { return value(r, (2 * rank + i) * 3 + j); }));
+                e1.push_back(reduce_value(
+                    op, world, dtype, [&](int r) { return value(r, i * 3 * w + 3 * rank + j); }));
               }
             }
             expect_tensor(failures, rank, fmt::format("reduce_scatter dim 0 {}", red_op_name(op)),
@@ -279,7 +283,8 @@ TEST_CASE("all_to_all_single with even splits", "[collectives]") {
           std::vector<double> expected;
           for (int p = 0; p < world; ++p) {
             for (int i = 0; i < 2; ++i) {
-              for (int j = 0; j < 3; ++j) expected.push_back(value(p, (2 * rank + i) * 3 + j));
+              for (int j = 0; j < 3; ++j)
+                expected.push_back(value(p, (2 * rank + i) * 3 + j));
             }
           }
           expect_tensor(failures, rank, "all_to_all even", w->result(), {2 * world, 3}, expected);
@@ -298,7 +303,8 @@ std::vector<std::vector<int64_t>> split_matrix(int world, uint32_t seed) {
   std::vector<std::vector<int64_t>> rows(static_cast<size_t>(world),
                                          std::vector<int64_t>(static_cast<size_t>(world)));
   for (auto& row : rows) {
-    for (int64_t& n : row) n = static_cast<int64_t>(gen() % 4);
+    for (int64_t& n : row)
+      n = static_cast<int64_t>(gen() % 4);
   }
   return rows;
 }
@@ -326,9 +332,11 @@ TEST_CASE("all_to_all_single with uneven splits", "[collectives]") {
             std::vector<double> expected;
             for (int p = 0; p < world; ++p) {
               int64_t offset = 0;  // where rank p's rows for us start in its input
-              for (int q = 0; q < rank; ++q) offset += rows[p][q];
+              for (int q = 0; q < rank; ++q)
+                offset += rows[p][q];
               for (int64_t i = 0; i < rows[p][rank]; ++i) {
-                for (int64_t j = 0; j < 2; ++j) expected.push_back(value(p, (offset + i) * 2 + j));
+                for (int64_t j = 0; j < 2; ++j)
+                  expected.push_back(value(p, (offset + i) * 2 + j));
               }
             }
             expect_tensor(failures, rank, fmt::format("all_to_all uneven seed {}", seed),
@@ -396,8 +404,8 @@ TEST_CASE("batch_isend_irecv in both ring directions", "[collectives]") {
           });
           w->synchronize();
           if (w->results().size() != 2) {
-            failures.add(fmt::format("rank {}: expected 2 results, got {}", rank,
-                                     w->results().size()));
+            failures.add(
+                fmt::format("rank {}: expected 2 results, got {}", rank, w->results().size()));
             return;
           }
           expect_tensor(failures, rank, "batch recv from prev", w->results()[0], {2, 3},
@@ -443,7 +451,8 @@ TEST_CASE("sub-groups of a 2-D layout", "[collectives]") {
         std::vector<int> row_members, col_members;
         for (int r = 0; r < rows; ++r) {
           std::vector<int> members;
-          for (int c = 0; c < cols; ++c) members.push_back(r * cols + c);
+          for (int c = 0; c < cols; ++c)
+            members.push_back(r * cols + c);
           ProcessGroupPtr g = pg->split(members, fmt::format("row{}", r));
           if (g) {
             my_row = g;
@@ -452,7 +461,8 @@ TEST_CASE("sub-groups of a 2-D layout", "[collectives]") {
         }
         for (int c = 0; c < cols; ++c) {
           std::vector<int> members;
-          for (int r = 0; r < rows; ++r) members.push_back(r * cols + c);
+          for (int r = 0; r < rows; ++r)
+            members.push_back(r * cols + c);
           ProcessGroupPtr g = pg->split(members, fmt::format("col{}", c));
           if (g) {
             my_col = g;
@@ -474,9 +484,13 @@ TEST_CASE("sub-groups of a 2-D layout", "[collectives]") {
         WorkPtr row_sum = my_row->all_reduce(x);
         WorkPtr col_max = my_col->all_reduce(x, reduce_with(RedOp::Max));
         WorkPtr world_sum = pg->all_reduce(x);
+        for (const WorkPtr& w : {row_sum, col_max, world_sum})
+          w->synchronize();
         double expected_row = 0, expected_col = 0;
-        for (int m : row_members) expected_row += m + 1;
-        for (int m : col_members) expected_col = std::max(expected_col, m + 1.0);
+        for (int m : row_members)
+          expected_row += m + 1;
+        for (int m : col_members)
+          expected_col = std::max(expected_col, m + 1.0);
         double expected_world = (rows * cols) * (rows * cols + 1) / 2.0;
         expect_tensor(failures, rank, "row all_reduce", row_sum->result(), {3},
                       std::vector<double>(3, expected_row));
@@ -502,6 +516,8 @@ TEST_CASE("non-contiguous inputs", "[collectives]") {
     WorkPtr gathered = pg->all_gather(t, gather_along(0));
     Tensor rows = ops::transpose(rank_tensor(rank, {2, 3 * world}, DType::F32), 0, 1);
     WorkPtr exchanged = pg->all_to_all_single(rows);  // (3 world, 2), 3 rows per rank
+    for (const WorkPtr& w : {reduced, gathered, exchanged})
+      w->synchronize();
     std::vector<double> e_reduced, e_gathered, e_exchanged;
     for (int j = 0; j < 4; ++j) {
       for (int i = 0; i < 3; ++i) {
@@ -511,13 +527,15 @@ TEST_CASE("non-contiguous inputs", "[collectives]") {
     }
     for (int r = 0; r < world; ++r) {
       for (int j = 0; j < 4; ++j) {
-        for (int i = 0; i < 3; ++i) e_gathered.push_back(value(r, 4 * i + j));
+        for (int i = 0; i < 3; ++i)
+          e_gathered.push_back(value(r, 4 * i + j));
       }
     }
     // rows[k, i] = value(rank, i * 3 world + k); rank p sends rows [3 q, 3 q + 3) to q.
     for (int p = 0; p < world; ++p) {
       for (int k = 3 * rank; k < 3 * rank + 3; ++k) {
-        for (int i = 0; i < 2; ++i) e_exchanged.push_back(value(p, i * 3 * world + k));
+        for (int i = 0; i < 2; ++i)
+          e_exchanged.push_back(value(p, i * 3 * world + k));
       }
     }
     expect_tensor(failures, rank, "all_reduce of a transpose", reduced->result(), {4, 3},
@@ -547,7 +565,8 @@ TEST_CASE("Work::wait orders later ops of an async CPU stream after the collecti
       w->wait();
       Tensor y = ops::add(w->result(), 1.0);  // enqueued on `stream` after the wait
       double expected = 1;
-      for (int r = 0; r < world; ++r) expected += r + round;
+      for (int r = 0; r < world; ++r)
+        expected += r + round;
       expect_tensor(failures, rank, fmt::format("round {}", round), y, {64},
                     std::vector<double>(64, expected));
     }
@@ -563,11 +582,12 @@ TEST_CASE("Work: completion and result", "[collectives]") {
     const int rank = pg->rank();
     WorkPtr w = pg->all_gather(ops::full({2}, rank), gather_along(0));
     w->synchronize();
-    if (!w->is_completed()) failures.add(fmt::format("rank {}: not completed after synchronize", rank));
+    if (!w->is_completed())
+      failures.add(fmt::format("rank {}: not completed after synchronize", rank));
     expect_tensor(failures, rank, "result after synchronize", w->result(), {4}, {0, 0, 1, 1});
     if (w->description().find("all_gather") == std::string::npos) {
-      failures.add(fmt::format("rank {}: description '{}' does not name the op", rank,
-                               w->description()));
+      failures.add(
+          fmt::format("rank {}: description '{}' does not name the op", rank, w->description()));
     }
     WorkPtr b = pg->barrier();
     b->synchronize();
@@ -576,27 +596,72 @@ TEST_CASE("Work: completion and result", "[collectives]") {
   REQUIRE_NO_FAILURES(failures);
 }
 
+// Large buffers take the split path of the threads backend (each rank
+// reduces a chunk; Note [Threads reductions]); small ones do not. Both must
+// give every rank the same bits, and the bits of a plain rank-order loop.
 TEST_CASE("reductions are bit-identical on every rank", "[collectives]") {
-  for (int world : {3, 5, 8}) {
-    for (DType dtype : {DType::F32, DType::BF16}) {
+  for (int64_t numel : {int64_t{257}, int64_t{100003}}) {
+    for (int world : {3, 5, 8}) {
+      for (DType dtype : {DType::F32, DType::BF16}) {
+        DYNAMIC_SECTION(numel << " elements, " << case_name(world, dtype)) {
+          // Random non-integer data: the result depends on the summation order.
+          auto data = [&](int rank) {
+            return test::random_stored(static_cast<size_t>(numel),
+                                       1000u + static_cast<uint32_t>(rank), dtype);
+          };
+          std::vector<Tensor> sums(static_cast<size_t>(world)), avgs(static_cast<size_t>(world));
+          run_ranks(world, [&](ProcessGroupPtr pg) {
+            const int rank = pg->rank();
+            Tensor x = tensor_of(data(rank), {numel}, dtype);
+            WorkPtr sum = pg->all_reduce(x);
+            WorkPtr avg = pg->all_reduce(x, reduce_with(RedOp::Avg));
+            sum->synchronize();
+            avg->synchronize();
+            sums[rank] = sum->result();
+            avgs[rank] = avg->result();
+          });
+          for (int r = 1; r < world; ++r) {
+            INFO("rank " << r);
+            REQUIRE(ops::equal(sums[0], sums[r]));
+            REQUIRE(ops::equal(avgs[0], avgs[r]));
+          }
+          // ((x_0 + x_1) + x_2) + ..., rounded to the dtype after each step.
+          std::vector<double> expected = data(0);
+          for (int r = 1; r < world; ++r) {
+            std::vector<double> x = data(r);
+            for (size_t i = 0; i < x.size(); ++i)
+              expected[i] = stored_value(dtype, expected[i] + x[i]);
+          }
+          std::vector<double> got = values_of(sums[0]);
+          REQUIRE(got == expected);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("all_reduce of large buffers, split across ranks", "[collectives]") {
+  for (int world : {2, 3, 5, 8}) {
+    for (DType dtype : kDtypes) {
       DYNAMIC_SECTION(case_name(world, dtype)) {
-        // Random non-integer data: the result depends on the summation order.
-        std::vector<Tensor> sums(static_cast<size_t>(world)), avgs(static_cast<size_t>(world));
+        // Past the split threshold (256 KiB), with a count no world divides.
+        const int64_t numel = 300007 / static_cast<int64_t>(dtype_size(dtype)) + 1;
+        Failures failures;
         run_ranks(world, [&](ProcessGroupPtr pg) {
           const int rank = pg->rank();
-          Tensor x = test::random_tensor({257}, dtype, 1000u + static_cast<uint32_t>(rank));
-          WorkPtr sum = pg->all_reduce(x);
-          WorkPtr avg = pg->all_reduce(x, reduce_with(RedOp::Avg));
-          sum->synchronize();
-          avg->synchronize();
-          sums[rank] = sum->result();
-          avgs[rank] = avg->result();
+          Tensor x = rank_tensor(rank, {numel}, dtype);
+          for (RedOp op : ops_for(dtype)) {
+            WorkPtr w = pg->all_reduce(x, reduce_with(op));
+            w->synchronize();
+            std::vector<double> expected(static_cast<size_t>(numel));
+            for (int64_t i = 0; i < numel; ++i) {
+              expected[i] = reduce_value(op, world, dtype, [&](int r) { return value(r, i); });
+            }
+            expect_tensor(failures, rank, fmt::format("all_reduce {}", red_op_name(op)),
+                          w->result(), {numel}, expected);
+          }
         });
-        for (int r = 1; r < world; ++r) {
-          INFO("rank " << r);
-          REQUIRE(ops::equal(sums[0], sums[r]));
-          REQUIRE(ops::equal(avgs[0], avgs[r]));
-        }
+        REQUIRE_NO_FAILURES(failures);
       }
     }
   }

@@ -1,0 +1,141 @@
+// MpiProcessGroup, mpi_world and mpi_finalize (mpi_backend.h). The tasks a
+// launch becomes are in mpi_tasks.cpp; the executor that runs them in
+// mpi_executor.cpp.
+#include "comm/mpi/mpi_backend.h"
+
+#include <numeric>
+
+#include "comm/mpi/mpi_check.h"
+#include "comm/mpi/mpi_group.h"
+#include "runtime/config.h"
+#include "runtime/logging.h"
+
+namespace tandem {
+namespace mpi {
+namespace {
+
+// Extra time a caller waits for a setup task beyond the task's own bound
+// (the task may sit behind earlier, themselves bounded, tasks).
+constexpr std::chrono::seconds kSetupMargin{5};
+
+void check_cpu(const Tensor& t, const ProcessGroup& group, const char* op) {
+  TANDEM_CHECK(!t.defined() || t.device().is_cpu(),
+               "[comm::{}] expected CPU tensors for the mpi backend, got a tensor on {} ({})", op,
+               t.device().str(), group.where());
+}
+
+// Waits for a setup task's result (bounded) and rethrows its error.
+MPI_Comm take(std::future<MPI_Comm>& result, const std::string& what) {
+  auto bound = wait_timeout() + kSetupMargin;
+  if (result.wait_for(bound) != std::future_status::ready) {
+    throw TimeoutError(fmt::format(
+        "[comm::mpi] expected {} to complete within {} ms, got no result (the MPI executor is "
+        "stalled behind earlier collectives)",
+        what, std::chrono::duration_cast<std::chrono::milliseconds>(bound).count()));
+  }
+  return result.get();
+}
+
+}  // namespace
+
+MpiProcessGroup::MpiProcessGroup(std::shared_ptr<Executor> executor, MPI_Comm comm, int rank,
+                                 std::vector<int> world_ranks, ProcessGroupOptions options)
+    : ProcessGroup(rank, static_cast<int>(world_ranks.size()), world_ranks, std::move(options)),
+      executor_(std::move(executor)),
+      channel_(std::make_shared<Channel>(comm)) {}
+
+// Runs once no task holds the group any more (tasks keep it alive), so the
+// communicator has nothing queued; orphans keep their own buffers.
+MpiProcessGroup::~MpiProcessGroup() {
+  executor_->release(channel_->comm());
+}
+
+std::shared_ptr<MpiProcessGroup> MpiProcessGroup::self() {
+  return std::static_pointer_cast<MpiProcessGroup>(shared_from_this());
+}
+
+void MpiProcessGroup::launch(Collective& c) {
+  const char* name = collective_name(c.kind);
+  check_cpu(c.input, *this, name);
+  check_cpu(c.output, *this, name);
+  for (const P2POp& op : c.p2p)
+    check_cpu(op.tensor, *this, name);
+  if (std::optional<std::string> reason = channel_->unusable_reason()) {
+    c.work->finish(std::make_exception_ptr(CommAbortedError(fmt::format(
+        "[comm::mpi] {} #{} {} failed at once: expected a usable communicator, got one made "
+        "unusable earlier: {}",
+        where(), c.entry.seq, name, *reason))));
+    return;
+  }
+  // The front end no longer uses `c` once launch() returns.
+  executor_->submit(channel_, collective_task(self(), std::move(c)));
+}
+
+WorkPtr MpiProcessGroup::check_entry(const LedgerEntry& entry) {
+  auto work =
+      std::make_shared<Work>(fmt::format("checked exchange of {} ({})", entry.str(), where()));
+  executor_->submit(channel_, check_task(self(), entry, work));
+  return work;
+}
+
+std::shared_ptr<ProcessGroup> MpiProcessGroup::make_subgroup(const std::vector<int>& ranks,
+                                                             int new_rank,
+                                                             const std::string& name) {
+  LedgerEntry entry;
+  entry.op = "split";
+  entry.counts.assign(ranks.begin(), ranks.end());
+  entry.thread = thread_name();
+  entry.tag = name;
+  std::promise<MPI_Comm> promise;
+  std::future<MPI_Comm> result = promise.get_future();
+  {
+    // Same lock as the front end's launches: the split takes its place in
+    // the parent's launch order (Note [Issue lock]).
+    std::lock_guard<std::mutex> lock(comm_issue_mutex());
+    entry = ledger().append(entry);
+    executor_->submit(channel_, split_task(self(), entry, new_rank, std::move(promise)));
+  }
+  MPI_Comm comm = take(result, fmt::format("split #{} of {}", entry.seq, where()));
+  if (new_rank < 0) return nullptr;
+  std::vector<int> members;
+  members.reserve(ranks.size());
+  for (int r : ranks)
+    members.push_back(world_ranks()[r]);
+  ProcessGroupOptions sub = options();
+  sub.name = name;
+  return std::make_shared<MpiProcessGroup>(executor_, comm, new_rank, std::move(members), sub);
+}
+
+}  // namespace mpi
+
+ProcessGroupPtr mpi_world(ProcessGroupOptions options) {
+  std::shared_ptr<mpi::Executor> ex = mpi::executor();
+  std::promise<MPI_Comm> promise;
+  std::future<MPI_Comm> result = promise.get_future();
+  // A world group is setup, not a training collective: it waits for the
+  // slowest process up to wait_timeout(), not the group's (maybe tiny) timeout.
+  ex->submit(ex->world_channel(), mpi::dup_world_task(*ex, wait_timeout(), std::move(promise)));
+  MPI_Comm comm = mpi::take(result, "mpi_world");
+  std::vector<int> ranks(static_cast<size_t>(ex->world_size()));
+  std::iota(ranks.begin(), ranks.end(), 0);
+  return std::make_shared<mpi::MpiProcessGroup>(ex, comm, ex->world_rank(), std::move(ranks),
+                                                std::move(options));
+}
+
+void mpi_finalize() {
+  mpi::finalize();
+}
+
+bool mpi_built() {
+  return true;
+}
+
+WorkPtr mpi_check_entry(ProcessGroup& group, const LedgerEntry& entry) {
+  auto* mpi_group = dynamic_cast<mpi::MpiProcessGroup*>(&group);
+  TANDEM_CHECK(mpi_group != nullptr,
+               "[comm::mpi_check_entry] expected a group of the mpi backend, got backend {} ({})",
+               group.backend_name(), group.where());
+  return mpi_group->check_entry(entry);
+}
+
+}  // namespace tandem

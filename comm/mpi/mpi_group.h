@@ -1,0 +1,60 @@
+// MpiProcessGroup and the tasks its launches become (internal to comm/mpi/).
+#pragma once
+
+#include <mpi.h>
+
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/mpi/mpi_executor.h"
+#include "comm/process_group.h"
+
+namespace tandem::mpi {
+
+class MpiProcessGroup final : public ProcessGroup {
+ public:
+  // Takes ownership of `comm` (freed on the executor when the group goes).
+  MpiProcessGroup(std::shared_ptr<Executor> executor, MPI_Comm comm, int rank,
+                  std::vector<int> world_ranks, ProcessGroupOptions options);
+  ~MpiProcessGroup() override;
+
+  std::string backend_name() const override { return "mpi"; }
+  Executor& executor() const { return *executor_; }
+  const std::shared_ptr<Channel>& channel() const { return channel_; }
+  MPI_Comm comm() const { return channel_->comm(); }
+
+  // mpi_check_entry() (mpi_backend.h).
+  WorkPtr check_entry(const LedgerEntry& entry);
+  [[noreturn]] void unsupported_kind(CollectiveKind kind) const {
+    unsupported(collective_name(kind));
+  }
+
+ protected:
+  void launch(Collective& c) override;
+  std::shared_ptr<ProcessGroup> make_subgroup(const std::vector<int>& ranks, int new_rank,
+                                              const std::string& name) override;
+
+ private:
+  std::shared_ptr<MpiProcessGroup> self();
+
+  std::shared_ptr<Executor> executor_;
+  std::shared_ptr<Channel> channel_;
+};
+
+// The tasks of mpi_tasks.cpp. Each keeps its group alive until it finishes.
+std::unique_ptr<Task> collective_task(std::shared_ptr<MpiProcessGroup> group, Collective c);
+// The checked-mode exchange alone; finishes `work`.
+std::unique_ptr<Task> check_task(std::shared_ptr<MpiProcessGroup> group, LedgerEntry entry,
+                                 WorkPtr work);
+// MPI_Comm_split of the group's communicator after a bounded handshake on
+// `entry` (op "split", counts = the group ranks); MPI_COMM_NULL for
+// non-members (new_rank < 0).
+std::unique_ptr<Task> split_task(std::shared_ptr<MpiProcessGroup> group, LedgerEntry entry,
+                                 int new_rank, std::promise<MPI_Comm> result);
+// MPI_Comm_idup of MPI_COMM_WORLD (on the executor's world channel), bounded.
+std::unique_ptr<Task> dup_world_task(Executor& executor, std::chrono::milliseconds timeout,
+                                     std::promise<MPI_Comm> result);
+
+}  // namespace tandem::mpi

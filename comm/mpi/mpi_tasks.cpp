@@ -1,0 +1,644 @@
+// The tasks the MPI executor runs: collectives, point-to-point batches, the
+// checked-mode handshake, splits and the duplicate of MPI_COMM_WORLD.
+//
+// A task is a chain of stages. A stage posts nonblocking MPI calls (post())
+// and names what runs once they have all completed (then()); the executor
+// calls advance(), which tests the requests and runs the next stage, until a
+// stage calls done(). Everything a pending request may read or write lives in
+// the task's Scratch, which an orphan keeps alive when the task is abandoned
+// (Note [One MPI executor]).
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include <fmt/ranges.h>
+
+#include "comm/mpi/mpi_check.h"
+#include "comm/mpi/mpi_group.h"
+#include "runtime/config.h"
+#include "runtime/logging.h"
+#include "runtime/trace.h"
+#include "tensor/kernels.h"
+
+namespace tandem::mpi {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The checked-mode exchange: a fixed-size record per rank, then (only when
+// they disagree) a fixed-size description per rank.
+struct Hello {
+  uint64_t fingerprint;
+  int32_t failed;  // 1 when this rank found an error before the collective
+  int32_t reserved;
+};
+constexpr size_t kDescBytes = 1024;
+
+// Everything pending requests may touch.
+struct Scratch {
+  std::vector<Tensor> tensors;
+  Hello hello{};
+  std::vector<Hello> hellos;
+  std::vector<char> desc, descs;
+  std::vector<int64_t> send_splits, recv_splits;
+  std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
+};
+
+std::string what_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+class StagedTask : public Task {
+ public:
+  StagedTask(std::shared_ptr<MpiProcessGroup> group, LedgerEntry entry)
+      : group_(std::move(group)), entry_(std::move(entry)), scratch_(std::make_shared<Scratch>()) {}
+
+  ~StagedTask() override {
+    if (!begun_ || !trace_enabled()) return;
+    try {
+      trace_complete("comm", fmt::format("{} #{}", entry_.op, entry_.seq), start_us_,
+                     trace_now_us() - start_us_,
+                     fmt::format("\"seq\":{},\"group\":\"{}\"", entry_.seq, group_->options().name),
+                     fmt::format("comm r{} mpi", group_->world_ranks()[group_->rank()]));
+    } catch (...) {  // tracing must never fail a destructor
+    }
+  }
+
+  std::string label() const override {
+    return fmt::format("{} #{} {}", group_->where(), entry_.seq, entry_.op);
+  }
+
+  bool advance() final {
+    const bool first = !begun_;
+    if (first) {
+      if (!ready()) return false;
+      begun_ = true;
+      started_ = Clock::now();
+      deadline_ = started_ + group_->timeout();
+      start_us_ = trace_enabled() ? trace_now_us() : 0;
+    }
+    try {
+      if (first) begin();
+      while (!done_) {
+        if (!requests_.empty()) {
+          int flag = 0;
+          statuses_.resize(requests_.size());
+          int rc = MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag,
+                               statuses_.data());
+          if (rc != MPI_SUCCESS) fail_mpi(rc);
+          if (flag == 0) {
+            if (Clock::now() > deadline_) expire();
+            return false;
+          }
+          requests_.clear();
+        }
+        TANDEM_INTERNAL_ASSERT(next_ != nullptr, "{}: a stage posted nothing and named no next",
+                               label());
+        std::function<void()> next = std::move(next_);
+        next_ = nullptr;
+        next();
+      }
+    } catch (...) {
+      // A stage that throws after posting leaves requests nobody will test:
+      // the communicator is in an unknown state.
+      if (!requests_.empty()) {
+        abandon(fmt::format("rank {} failed in #{} {} with MPI requests pending: {}",
+                            group_->rank(), entry_.seq, entry_.op,
+                            what_of(std::current_exception())));
+      }
+      throw;
+    }
+    return true;
+  }
+
+ protected:
+  // Called before begin() until true (the input produced).
+  virtual bool ready() { return true; }
+  // Posts the first stage, or finishes at once.
+  virtual void begin() = 0;
+
+  MPI_Request* post() {
+    requests_.push_back(MPI_REQUEST_NULL);
+    return &requests_.back();
+  }
+  // `next` runs once every request posted so far has completed; `waiting_for`
+  // says what they are, for the watchdog report.
+  void then(std::string waiting_for, std::function<void()> next) {
+    waiting_for_ = std::move(waiting_for);
+    next_ = std::move(next);
+  }
+  void done() { done_ = true; }
+  // Statuses of the requests of the stage that just completed, in post order.
+  const std::vector<MPI_Status>& statuses() const { return statuses_; }
+  MPI_Comm comm() const { return group_->comm(); }
+
+  // Checked-mode exchange of this task's entry. `local` is an error this rank
+  // found before the collective (or null); it fails every rank, naming this
+  // one, instead of leaving the peers to time out. Runs `next` when all agree.
+  void handshake(std::exception_ptr local, std::function<void()> next) {
+    local_ = local;
+    Scratch& s = *scratch_;
+    s.hello = Hello{entry_.fingerprint(), local ? 1 : 0, 0};
+    s.hellos.assign(static_cast<size_t>(group_->size()), Hello{});
+    TANDEM_MPI_CHECK(MPI_Iallgather(&s.hello, sizeof(Hello), MPI_BYTE, s.hellos.data(),
+                                    sizeof(Hello), MPI_BYTE, comm(), post()));
+    then("the checked-mode fingerprint exchange", [this, next = std::move(next)] {
+      const Scratch& s = *scratch_;
+      bool agree = std::all_of(s.hellos.begin(), s.hellos.end(), [&](const Hello& h) {
+        return h.fingerprint == s.hello.fingerprint && h.failed == 0;
+      });
+      if (agree) {
+        next();
+        return;
+      }
+      describe();  // every rank saw the same table, so every rank gets here
+    });
+  }
+
+  std::shared_ptr<MpiProcessGroup> group_;
+  LedgerEntry entry_;
+  std::shared_ptr<Scratch> scratch_;
+  // Point-to-point requests can be cancelled when abandoned; collectives cannot.
+  bool p2p_ = false;
+
+ private:
+  // Second round of the handshake: every rank's entry (and error), then the error.
+  void describe() {
+    Scratch& s = *scratch_;
+    std::string mine = entry_.str();
+    if (local_) mine += " failed: " + what_of(local_);
+    s.desc.assign(kDescBytes, '\0');
+    std::memcpy(s.desc.data(), mine.data(), std::min(mine.size(), kDescBytes - 1));
+    s.descs.assign(kDescBytes * static_cast<size_t>(group_->size()), '\0');
+    TANDEM_MPI_CHECK(MPI_Iallgather(s.desc.data(), static_cast<int>(kDescBytes), MPI_BYTE,
+                                    s.descs.data(), static_cast<int>(kDescBytes), MPI_BYTE, comm(),
+                                    post()));
+    then("the checked-mode description exchange", [this] { raise_disagreement(); });
+  }
+
+  [[noreturn]] void raise_disagreement() {
+    const Scratch& s = *scratch_;
+    auto desc_of = [&](int r) {
+      const char* d = s.descs.data() + static_cast<size_t>(r) * kDescBytes;
+      return std::string(d, strnlen(d, kDescBytes));
+    };
+    const int me = group_->rank();
+    for (int r = 0; r < group_->size(); ++r) {
+      if (s.hellos[r].fingerprint != s.hello.fingerprint) {
+        throw Error(fmt::format(
+            "[comm::checked] {}: collectives diverge: rank {} launched {} while rank {} launched "
+            "{} (same position in the group's launch order; check that every rank issues the "
+            "same collectives in the same order with the same shapes)",
+            group_->where(), me, desc_of(me), r, desc_of(r)));
+      }
+    }
+    if (local_) std::rethrow_exception(local_);
+    for (int r = 0; r < group_->size(); ++r) {
+      if (s.hellos[r].failed != 0) {
+        throw CommAbortedError(fmt::format("[comm::mpi] {}: #{} {} failed on rank {}: {}",
+                                           group_->where(), entry_.seq, entry_.op, r, desc_of(r)));
+      }
+    }
+    TANDEM_INTERNAL_ASSERT(false, "{}: handshake disagreement without a cause", label());
+  }
+
+  [[noreturn]] void fail_mpi(int rc) {
+    std::string detail = error_string(rc);
+    if (rc == MPI_ERR_IN_STATUS) {
+      for (size_t i = 0; i < statuses_.size(); ++i) {
+        int e = statuses_[i].MPI_ERROR;
+        if (e != MPI_SUCCESS && e != MPI_ERR_PENDING) {
+          detail += fmt::format("; request {}: {}", i, error_string(e));
+        }
+      }
+    }
+    TANDEM_FAIL("[comm::mpi] {}: MPI failed while waiting for {}: {}", label(), waiting_for_,
+                detail);
+  }
+
+  [[noreturn]] void expire() {
+    auto waited =
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started_).count();
+    std::string consequence =
+        p2p_ ? "Its pending sends and receives were cancelled, but a late message could still "
+               "match a later receive, so this communicator is now unusable"
+             : "An MPI collective cannot be cancelled, so this communicator is now unusable";
+    std::string report = fmt::format(
+        "[comm::watchdog] {} waited {} ms in #{} {} for {} (the group's world ranks are [{}]; at "
+        "least one of them has not joined). {}: later calls on it fail at once. Last collectives "
+        "of this rank:\n{}",
+        group_->where(), waited, entry_.seq, entry_.op, waiting_for_,
+        fmt::join(group_->world_ranks(), ","), consequence, group_->ledger().tail_str(8));
+    abandon(fmt::format("rank {} timed out after {} ms in #{} {} waiting for {}", group_->rank(),
+                        waited, entry_.seq, entry_.op, waiting_for_));
+    log_error("{}", report);
+    throw TimeoutError(report);
+  }
+
+  // Gives the pending requests to an orphan and marks the channel unusable.
+  void abandon(const std::string& reason) {
+    Orphan orphan{{}, scratch_};
+    for (MPI_Request& r : requests_) {
+      if (r == MPI_REQUEST_NULL) continue;
+      if (p2p_) MPI_Cancel(&r);
+      orphan.requests.push_back(r);
+    }
+    requests_.clear();
+    next_ = nullptr;
+    if (!orphan.requests.empty()) group_->executor().adopt(std::move(orphan));
+    group_->channel()->mark_unusable(reason);
+  }
+
+  std::vector<MPI_Request> requests_;
+  std::vector<MPI_Status> statuses_;
+  std::function<void()> next_;
+  std::string waiting_for_;
+  std::exception_ptr local_;
+  bool begun_ = false;
+  bool done_ = false;
+  Clock::time_point started_, deadline_;
+  int64_t start_us_ = 0;
+};
+
+// ---- collectives and point-to-point batches ----
+
+class CollectiveTask final : public StagedTask {
+ public:
+  CollectiveTask(std::shared_ptr<MpiProcessGroup> group, Collective c)
+      : StagedTask(std::move(group), c.entry), c_(std::move(c)) {
+    p2p_ = c_.kind == CollectiveKind::BatchP2P;
+  }
+
+  void fail(std::exception_ptr error) noexcept override { c_.work->finish(error); }
+
+ protected:
+  bool ready() override {
+    if (c_.ready.query()) return true;
+    auto now = Clock::now();
+    if (!waiting_since_) waiting_since_ = now;
+    TANDEM_CHECK(now - *waiting_since_ < wait_timeout(),
+                 "[comm::mpi] {}: expected the input to be produced within {} ms, got a stream "
+                 "that is stalled or failed",
+                 label(), wait_timeout().count());
+    return false;
+  }
+
+  void begin() override {
+    Scratch& s = *scratch_;
+    s.tensors = {c_.input, c_.output};
+    for (const P2POp& op : c_.p2p)
+      s.tensors.push_back(op.tensor);
+    for (const Tensor& t : c_.p2p_outputs)
+      s.tensors.push_back(t);
+    std::exception_ptr local;
+    try {
+      validate();
+    } catch (...) {
+      local = std::current_exception();
+    }
+    if (!group_->options().checked || p2p_) {
+      if (local) std::rethrow_exception(local);
+      start();
+    } else if (c_.kind == CollectiveKind::AllToAll && !local) {
+      exchange_splits();
+    } else {
+      handshake(local, [this] { start(); });
+    }
+  }
+
+ private:
+  // Checks that would otherwise surface as an MPI error on one rank only.
+  void validate() {
+    if (c_.input.defined()) count_of(c_.input.numel(), collective_name(c_.kind));
+    if (c_.output.defined()) count_of(c_.output.numel(), collective_name(c_.kind));
+    for (const P2POp& op : c_.p2p) {
+      TANDEM_CHECK(op.tag_id >= 0 && op.tag_id <= 32767,
+                   "[comm::p2p] expected a tag_id in [0, 32767] (MPI's guaranteed tag range), got "
+                   "{} ({})",
+                   op.tag_id, group_->where());
+    }
+  }
+
+  // Checked all_to_all: every rank learns how many rows each peer sends it
+  // and compares with what it expects before any data moves.
+  void exchange_splits() {
+    Scratch& s = *scratch_;
+    s.send_splits = c_.input_splits;
+    s.recv_splits.assign(static_cast<size_t>(group_->size()), 0);
+    TANDEM_MPI_CHECK(MPI_Ialltoall(s.send_splits.data(), 1, MPI_INT64_T, s.recv_splits.data(), 1,
+                                   MPI_INT64_T, comm(), post()));
+    then("the exchange of all_to_all split sizes", [this] {
+      const Scratch& s = *scratch_;
+      std::exception_ptr local;
+      for (int r = 0; r < group_->size() && !local; ++r) {
+        if (s.recv_splits[r] != c_.output_splits[r]) {
+          local = std::make_exception_ptr(Error(fmt::format(
+              "[comm::all_to_all] {}: split sizes disagree: rank {} sends {} rows to rank {}, "
+              "which expects {} rows from it",
+              group_->where(), r, s.recv_splits[r], group_->rank(), c_.output_splits[r])));
+        }
+      }
+      handshake(local, [this] { start(); });
+    });
+  }
+
+  // The collective itself.
+  void start() {
+    const Tensor& in = c_.input;
+    const Tensor& out = c_.output;
+    const char* name = collective_name(c_.kind);
+    switch (c_.kind) {
+      case CollectiveKind::AllReduce: {
+        Reduction red = reduction_for(in.dtype(), c_.op);
+        Tensor send = widen(in, red), recv = result_buffer(out, red);
+        TANDEM_MPI_CHECK(MPI_Iallreduce(send.raw_data(), recv.raw_data(),
+                                        count_of(in.numel(), name), red.type, red.op, comm(),
+                                        post()));
+        then("the all_reduce to complete", [this, recv] { finish_reduction(recv); });
+        return;
+      }
+      case CollectiveKind::ReduceScatter: {
+        Reduction red = reduction_for(in.dtype(), c_.op);
+        Tensor send = widen(in, red), recv = result_buffer(out, red);
+        TANDEM_MPI_CHECK(MPI_Ireduce_scatter_block(send.raw_data(), recv.raw_data(),
+                                                   count_of(out.numel(), name), red.type, red.op,
+                                                   comm(), post()));
+        then("the reduce_scatter to complete", [this, recv] { finish_reduction(recv); });
+        return;
+      }
+      case CollectiveKind::Broadcast: {
+        if (group_->rank() == c_.peer && out.nbytes() > 0) {
+          std::memcpy(out.raw_data(), in.raw_data(), out.nbytes());
+        }
+        TANDEM_MPI_CHECK(MPI_Ibcast(out.raw_data(), count_of(out.numel(), name),
+                                    move_type(out.dtype()), c_.peer, comm(), post()));
+        then(fmt::format("the broadcast from rank {} to complete", c_.peer), [this] { succeed(); });
+        return;
+      }
+      case CollectiveKind::AllGather: {
+        MPI_Datatype type = move_type(in.dtype());
+        int n = count_of(in.numel(), name);
+        TANDEM_MPI_CHECK(
+            MPI_Iallgather(in.raw_data(), n, type, out.raw_data(), n, type, comm(), post()));
+        then("the all_gather to complete", [this] { succeed(); });
+        return;
+      }
+      case CollectiveKind::AllToAll: {
+        post_all_to_all();
+        then("the all_to_all to complete", [this] { succeed(); });
+        return;
+      }
+      case CollectiveKind::Barrier: {
+        TANDEM_MPI_CHECK(MPI_Ibarrier(comm(), post()));
+        then("every rank to reach the barrier", [this] { succeed(); });
+        return;
+      }
+      case CollectiveKind::BatchP2P: {
+        post_p2p();
+        return;
+      }
+      default:
+        group_->unsupported_kind(c_.kind);
+    }
+  }
+
+  void succeed() {
+    c_.work->finish();
+    done();
+  }
+
+  // bf16/f16 are reduced in f32 (mpi_check.h, Reduction). The f32 buffers
+  // live in the scratch: MPI reads and writes them until the request completes.
+  Tensor widen(const Tensor& t, const Reduction& red) {
+    if (!red.via_f32) return t;
+    Tensor wide = empty(t.shape(), DType::F32, Device::cpu());
+    cpu::copy(arg_of(t), arg_of(wide));
+    scratch_->tensors.push_back(wide);
+    return wide;
+  }
+  Tensor result_buffer(const Tensor& out, const Reduction& red) {
+    if (!red.via_f32) return out;
+    Tensor wide = empty(out.shape(), DType::F32, Device::cpu());
+    scratch_->tensors.push_back(wide);
+    return wide;
+  }
+  void finish_reduction(const Tensor& result) {
+    finish_average(c_.op, result, group_->size());  // divide before the one rounding
+    if (!result.is_alias_of(c_.output)) cpu::copy(arg_of(result), arg_of(c_.output));
+    succeed();
+  }
+
+  void post_all_to_all() {
+    Scratch& s = *scratch_;
+    const Tensor& in = c_.input;
+    const Tensor& out = c_.output;
+    int64_t row = 1;
+    for (int d = 1; d < in.dim(); ++d)
+      row *= in.shape()[d];
+    const size_t n = static_cast<size_t>(group_->size());
+    s.send_counts.resize(n);
+    s.send_displs.resize(n);
+    s.recv_counts.resize(n);
+    s.recv_displs.resize(n);
+    int64_t send_at = 0, recv_at = 0;
+    for (size_t r = 0; r < n; ++r) {
+      s.send_counts[r] = count_of(c_.input_splits[r] * row, "all_to_all");
+      s.send_displs[r] = count_of(send_at, "all_to_all");
+      s.recv_counts[r] = count_of(c_.output_splits[r] * row, "all_to_all");
+      s.recv_displs[r] = count_of(recv_at, "all_to_all");
+      send_at += c_.input_splits[r] * row;
+      recv_at += c_.output_splits[r] * row;
+    }
+    MPI_Datatype type = move_type(in.dtype());
+    TANDEM_MPI_CHECK(MPI_Ialltoallv(in.raw_data(), s.send_counts.data(), s.send_displs.data(), type,
+                                    out.raw_data(), s.recv_counts.data(), s.recv_displs.data(),
+                                    type, comm(), post()));
+  }
+
+  // All sends and receives of the batch are posted together, so their order
+  // cannot deadlock; receives are checked for the size the caller expected.
+  void post_p2p() {
+    std::vector<int> senders, receivers;
+    size_t recv_index = 0;
+    for (const P2POp& op : c_.p2p) {
+      const bool is_send = op.kind == P2POp::Kind::Send;
+      const Tensor& t = is_send ? op.tensor : c_.p2p_outputs[recv_index++];
+      MPI_Datatype type = move_type(t.dtype());
+      int n = count_of(t.numel(), is_send ? "send" : "recv");
+      if (is_send) {
+        TANDEM_MPI_CHECK(MPI_Isend(t.raw_data(), n, type, op.peer, op.tag_id, comm(), post()));
+        senders.push_back(op.peer);
+      } else {
+        TANDEM_MPI_CHECK(MPI_Irecv(t.raw_data(), n, type, op.peer, op.tag_id, comm(), post()));
+        receivers.push_back(op.peer);
+      }
+    }
+    then(fmt::format("sends to ranks [{}] and receives from ranks [{}] to complete",
+                     fmt::join(senders, ","), fmt::join(receivers, ",")),
+         [this] { check_received(); });
+  }
+
+  void check_received() {
+    size_t recv_index = 0;
+    for (size_t i = 0; i < c_.p2p.size(); ++i) {
+      const P2POp& op = c_.p2p[i];
+      if (op.kind != P2POp::Kind::Recv) continue;
+      const Tensor& out = c_.p2p_outputs[recv_index++];
+      int got = 0;
+      TANDEM_MPI_CHECK(MPI_Get_count(&statuses()[i], move_type(out.dtype()), &got));
+      TANDEM_CHECK(
+          got == out.numel(),
+          "[comm::recv] {}: expected {} elements ({} {}) from rank {} (tag {}), got {}",
+          group_->where(), out.numel(), dtype_name(out.dtype()), out.shape(), op.peer, op.tag_id,
+          got == MPI_UNDEFINED ? "a message of another element size" : std::to_string(got));
+    }
+    succeed();
+  }
+
+  Collective c_;
+  std::optional<Clock::time_point> waiting_since_;
+};
+
+// ---- the checked exchange alone (control plane of other backends) ----
+
+class CheckTask final : public StagedTask {
+ public:
+  CheckTask(std::shared_ptr<MpiProcessGroup> group, LedgerEntry entry, WorkPtr work)
+      : StagedTask(std::move(group), std::move(entry)), work_(std::move(work)) {}
+  void fail(std::exception_ptr error) noexcept override { work_->finish(error); }
+
+ protected:
+  void begin() override {
+    handshake(nullptr, [this] {
+      work_->finish();
+      done();
+    });
+  }
+
+ private:
+  WorkPtr work_;
+};
+
+// ---- split ----
+
+class SplitTask final : public StagedTask {
+ public:
+  SplitTask(std::shared_ptr<MpiProcessGroup> group, LedgerEntry entry, int new_rank,
+            std::promise<MPI_Comm> result)
+      : StagedTask(std::move(group), std::move(entry)),
+        new_rank_(new_rank),
+        result_(std::move(result)) {}
+
+  void fail(std::exception_ptr error) noexcept override {
+    if (!delivered_) result_.set_exception(error);
+    delivered_ = true;
+  }
+
+ protected:
+  // The handshake runs in both modes: once every rank has reached this split
+  // (and agrees on the rank list), the blocking MPI_Comm_split cannot hang.
+  void begin() override {
+    handshake(nullptr, [this] {
+      MPI_Comm out = MPI_COMM_NULL;
+      int color = new_rank_ >= 0 ? 0 : MPI_UNDEFINED;
+      TANDEM_MPI_CHECK(MPI_Comm_split(comm(), color, std::max(new_rank_, 0), &out));
+      if (out != MPI_COMM_NULL) TANDEM_MPI_CHECK(MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN));
+      result_.set_value(out);
+      delivered_ = true;
+      done();
+    });
+  }
+
+ private:
+  int new_rank_;
+  std::promise<MPI_Comm> result_;
+  bool delivered_ = false;
+};
+
+// ---- the world duplicate ----
+
+class DupWorldTask final : public Task {
+ public:
+  DupWorldTask(Executor& executor, std::chrono::milliseconds timeout, std::promise<MPI_Comm> result)
+      : executor_(executor),
+        timeout_(timeout),
+        result_(std::move(result)),
+        comm_(std::make_shared<MPI_Comm>(MPI_COMM_NULL)) {}
+
+  std::string label() const override {
+    return fmt::format("rank={}/{} mpi_world", executor_.world_rank(), executor_.world_size());
+  }
+
+  bool advance() override {
+    if (!posted_) {
+      TANDEM_MPI_CHECK(MPI_Comm_idup(MPI_COMM_WORLD, comm_.get(), &request_));
+      posted_ = true;
+      deadline_ = Clock::now() + timeout_;
+    }
+    int flag = 0;
+    TANDEM_MPI_CHECK(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE));
+    if (flag != 0) {
+      TANDEM_MPI_CHECK(MPI_Comm_set_errhandler(*comm_, MPI_ERRORS_RETURN));
+      result_.set_value(*comm_);
+      delivered_ = true;
+      return true;
+    }
+    if (Clock::now() > deadline_) {
+      std::string report = fmt::format(
+          "[comm::watchdog] {} waited {} ms for every process of MPI_COMM_WORLD to call "
+          "mpi_world (MPI_Comm_idup); a collective cannot be cancelled, so the MPI backend "
+          "cannot create world groups in this process any more",
+          label(), timeout_.count());
+      executor_.adopt(Orphan{{request_}, comm_});
+      executor_.world_channel()->mark_unusable(report);
+      log_error("{}", report);
+      throw TimeoutError(report);
+    }
+    return false;
+  }
+
+  void fail(std::exception_ptr error) noexcept override {
+    if (!delivered_) result_.set_exception(error);
+    delivered_ = true;
+  }
+
+ private:
+  Executor& executor_;  // the process's executor, which runs this task
+  std::chrono::milliseconds timeout_;
+  std::promise<MPI_Comm> result_;
+  std::shared_ptr<MPI_Comm> comm_;  // written by MPI when the idup completes
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  bool posted_ = false;
+  bool delivered_ = false;
+  Clock::time_point deadline_;
+};
+
+}  // namespace
+
+std::unique_ptr<Task> collective_task(std::shared_ptr<MpiProcessGroup> group, Collective c) {
+  return std::make_unique<CollectiveTask>(std::move(group), std::move(c));
+}
+
+std::unique_ptr<Task> check_task(std::shared_ptr<MpiProcessGroup> group, LedgerEntry entry,
+                                 WorkPtr work) {
+  return std::make_unique<CheckTask>(std::move(group), std::move(entry), std::move(work));
+}
+
+std::unique_ptr<Task> split_task(std::shared_ptr<MpiProcessGroup> group, LedgerEntry entry,
+                                 int new_rank, std::promise<MPI_Comm> result) {
+  return std::make_unique<SplitTask>(std::move(group), std::move(entry), new_rank,
+                                     std::move(result));
+}
+
+std::unique_ptr<Task> dup_world_task(Executor& executor, std::chrono::milliseconds timeout,
+                                     std::promise<MPI_Comm> result) {
+  return std::make_unique<DupWorldTask>(executor, timeout, std::move(result));
+}
+
+}  // namespace tandem::mpi
