@@ -2,11 +2,10 @@
 
 #include "autograd/engine.h"
 #include "autograd/function.h"
+#include "runtime/recompute_flag.h"
 
 namespace tandem {
 namespace {
-
-thread_local bool recomputing = false;
 
 struct CheckpointFunction final : Function {
   CheckpointFn fn;
@@ -53,9 +52,10 @@ struct CheckpointFunction final : Function {
 
 }  // namespace
 
-bool is_recomputing() { return recomputing; }
-RecomputeGuard::RecomputeGuard() : previous_(recomputing) { recomputing = true; }
-RecomputeGuard::~RecomputeGuard() { recomputing = previous_; }
+// The flag is runtime's (Note [Recompute flag]), so the HookCoordinator sees re-runs.
+bool is_recomputing() { return thread_is_recomputing(); }
+RecomputeGuard::RecomputeGuard() : previous_(set_thread_recomputing(true)) {}
+RecomputeGuard::~RecomputeGuard() { set_thread_recomputing(previous_); }
 
 std::vector<Tensor> checkpoint(CheckpointFn fn, const std::vector<Tensor>& inputs) {
   auto f = std::make_shared<CheckpointFunction>();

@@ -243,6 +243,17 @@ void Module::set_parameter(const std::string& name, const Tensor& value) {
   TANDEM_FAIL("[nn::{}] expected one of its own parameters, got \"{}\"", type_name_, name);
 }
 
+void Module::replace_module(const std::string& name, std::shared_ptr<Module> module) {
+  TANDEM_CHECK(module != nullptr, "[nn::{}] expected a module to replace child '{}', got null",
+               type_name_, name);
+  for (auto& [n, child] : children_) {
+    if (n != name) continue;
+    child = std::move(module);
+    return;
+  }
+  TANDEM_FAIL("[nn::{}] expected one of its own children, got \"{}\"", type_name_, name);
+}
+
 std::shared_ptr<Module> Module::get_submodule(const std::string& path) {
   for (auto& [name, m] : named_modules()) {
     if (name == path) return m;

@@ -121,6 +121,10 @@ class Module : public std::enable_shared_from_this<Module> {
     children_.emplace_back(name, module);
     return module;
   }
+  // Swaps the child registered as `name` for `module` (error if absent): how
+  // a layer installs a container it rebuilt (expert parallelism keeps only
+  // the local experts, under their global names).
+  void replace_module(const std::string& name, std::shared_ptr<Module> module);
 
  private:
   void collect(const std::string& prefix, bool params,

@@ -12,6 +12,7 @@
 // share one cache, so each group is created once and reused.
 #pragma once
 
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <string>
@@ -54,6 +55,11 @@ class DeviceMesh {
   // given (non-adjacent dims allowed).
   DeviceMesh slice(const std::string& dim) const;
   DeviceMesh slice(const std::vector<std::string>& dims) const;
+  // slice({"a", "c"}): a braced list of names would otherwise also match
+  // std::string's iterator-pair constructor.
+  DeviceMesh slice(std::initializer_list<std::string> dims) const {
+    return slice(std::vector<std::string>(dims));
+  }
   // A 1-D mesh over all of this mesh's dims, named `name`; afterwards `name`
   // works in slice()/get_group() of every mesh sharing this root.
   DeviceMesh flatten(const std::string& name) const;

@@ -118,8 +118,19 @@ std::vector<Step> make_plan(const Placements& from, const Placements& to) {
   return steps;
 }
 
+// A compact key: kind, dim and op of every placement, from then to.
 std::string plan_key(const Placements& from, const Placements& to) {
-  return placements_str(from) + "->" + placements_str(to);
+  std::string key;
+  key.reserve(3 * (from.size() + to.size()) + 1);
+  for (const Placements* list : {&from, &to}) {
+    for (const Placement& p : *list) {
+      key += static_cast<char>('0' + static_cast<int>(p.kind));
+      key += static_cast<char>(p.is_shard() ? 'a' + p.dim : 'a');
+      key += static_cast<char>('0' + static_cast<int>(p.op));
+    }
+    key += '|';
+  }
+  return key;
 }
 
 const std::vector<Step>& cached_plan(const Placements& from, const Placements& to) {
@@ -130,7 +141,8 @@ const std::vector<Step>& cached_plan(const Placements& from, const Placements& t
   auto it = cache.find(key);
   if (it == cache.end()) {
     it = cache.emplace(key, make_plan(from, to)).first;
-    log_debug("[parallel::redistribute] plan {}: {} steps", key, it->second.size());
+    log_debug("[parallel::redistribute] plan {} -> {}: {} steps", placements_str(from),
+              placements_str(to), it->second.size());
   }
   return it->second;
 }
@@ -186,38 +198,52 @@ Launched launch_step(const Step& s, const Tensor& x, const Shape& global, const 
       return {w, [d, len](const Tensor& y) { return ops::contiguous(ops::narrow(y, d, 0, len)); }};
     }
     case Step::Kind::AllToAll: {
-      // Shard(d) -> Shard(d2): rows of d2 go to their owners; the pieces that
-      // come back are joined along d in source order (uneven-safe).
+      // Shard(d) -> Shard(d2): each peer's slice of d2 is packed once into the
+      // send buffer, in the tensor's own layout; the pieces that come back
+      // (the senders' blocks of d, this rank's slice of d2) are joined along
+      // d in source order, which for d == 0 is the received buffer itself.
       const int64_t d = s.dim, d2 = s.dim2;
       const int64_t full2 = x.shape()[d2];
       const int64_t full_d = extent_at(global, cur, mesh, s.mesh_dim, d);
-      Tensor moved = ops::contiguous(ops::transpose(x, 0, d2));  // d2 first
-      const int64_t d_pos = d == 0 ? d2 : d;                     // where d sits after the swap
-      Shape piece = moved.shape();
-      int64_t other = 1;  // elements per (d2 row, d element)
-      for (int i = 1; i < piece.size(); ++i) {
-        if (i != d_pos) other *= piece[i];
-      }
-      std::vector<int64_t> in_splits, out_splits;
-      const int64_t my_d = chunk_range(full_d, k, me).second;
       const int64_t my_rows = chunk_range(full2, k, me).second;
-      for (int64_t r = 0; r < k; ++r) {
-        in_splits.push_back(chunk_range(full2, k, r).second * my_d * other);
-        out_splits.push_back(my_rows * chunk_range(full_d, k, r).second * other);
+      // Elements per index of d2 (here), and per (d, d2) index pair: from the
+      // shape, since a rank may hold an empty block.
+      int64_t per_d = 1;
+      for (int i = 0; i < x.dim(); ++i) {
+        if (i != d && i != d2) per_d *= x.shape()[i];
       }
-      WorkPtr w = group->all_to_all_single(ops::reshape(moved, Shape{-1}),
-                                           {in_splits, out_splits, "redistribute"});
+      const int64_t slab = per_d * x.shape()[d];
+      Tensor send = empty(Shape{x.numel()}, x.dtype(), x.device());
+      std::vector<int64_t> in_splits, out_splits;
+      int64_t offset = 0;
+      for (int64_t r = 0; r < k; ++r) {
+        auto [start, len] = chunk_range(full2, k, r);
+        Shape piece = x.shape();
+        piece[d2] = len;
+        const int64_t n = len * slab;
+        if (n > 0) ops::copy_(ops::reshape(ops::narrow(send, 0, offset, n), piece), ops::narrow(x, d2, start, len));
+        in_splits.push_back(n);
+        offset += n;
+        out_splits.push_back(my_rows * chunk_range(full_d, k, r).second * per_d);
+      }
+      WorkPtr w = group->all_to_all_single(send, {in_splits, out_splits, "redistribute"});
+      Shape shape = x.shape();
+      shape[d2] = my_rows;
       return {w, [=](const Tensor& flat) {
-                std::vector<Tensor> parts;
-                int64_t offset = 0;
-                for (int64_t r = 0; r < k; ++r) {
-                  Shape shape = piece;
-                  shape[0] = my_rows;
-                  shape[d_pos] = chunk_range(full_d, k, r).second;
-                  parts.push_back(ops::reshape(ops::narrow(flat, 0, offset, out_splits[r]), shape));
-                  offset += out_splits[r];
+                if (d == 0) {
+                  Shape whole = shape;
+                  whole[0] = full_d;
+                  return ops::reshape(flat, whole);
                 }
-                return ops::contiguous(ops::transpose(ops::cat(parts, d_pos), 0, d2));
+                std::vector<Tensor> parts;
+                int64_t at = 0;
+                for (int64_t r = 0; r < k; ++r) {
+                  Shape piece = shape;
+                  piece[d] = chunk_range(full_d, k, r).second;
+                  parts.push_back(ops::reshape(ops::narrow(flat, 0, at, out_splits[r]), piece));
+                  at += out_splits[r];
+                }
+                return ops::cat(parts, d);
               }};
     }
     default:
@@ -306,6 +332,9 @@ Placements checked_target(const DTensor& x, const Placements& placements) {
 DTensor DTensor::redistribute(const Placements& placements) const {
   Placements to = checked_target(*this, placements);
   if (to == placements_) return *this;
+  if (!grad_mode_enabled() || !requires_grad(local_)) {
+    return make(execute(local_, global_shape_, placements_, to, mesh_), mesh_, to, global_shape_);
+  }
   auto fn = std::make_shared<RedistributeFunction>();
   fn->mesh = mesh_;
   fn->global = global_shape_;

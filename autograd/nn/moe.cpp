@@ -4,6 +4,24 @@
 #include "runtime/error.h"
 
 namespace tandem::nn {
+namespace {
+
+// The "experts" child after keep_experts(): the local experts under their
+// global indices, so names read "experts.5.w1.weight" on the owning rank only.
+class ExpertShard final : public Module {
+ public:
+  ExpertShard() : Module("ExpertShard") {}
+  void add(int64_t index, std::shared_ptr<SwiGLU> expert) {
+    register_module(std::to_string(index), std::move(expert));
+  }
+
+ protected:
+  std::vector<Tensor> forward(Args&) override {
+    TANDEM_FAIL("[nn::MoE] expected a call on one of the experts, got a call on their container");
+  }
+};
+
+}  // namespace
 
 MoERouting route(const Tensor& logits, int64_t top_k) {
   TANDEM_CHECK(logits.dim() == 2 && top_k >= 1 && top_k <= logits.shape()[1],
@@ -93,26 +111,50 @@ MoE::MoE(int64_t d_model, int64_t hidden, int64_t num_experts, int64_t top_k, Ge
                "[nn::MoE] expected 1 <= top_k <= num_experts, got top_k={}, num_experts={}", top_k,
                num_experts);
   router_ = register_module("router", std::make_shared<Linear>(d_model, num_experts, gen, false));
-  experts_list_ = register_module("experts", std::make_shared<ModuleList>());
+  auto list = register_module("experts", std::make_shared<ModuleList>());
   for (int64_t e = 0; e < num_experts; ++e) {
-    experts_.push_back(experts_list_->append(std::make_shared<SwiGLU>(d_model, hidden, gen)));
+    experts_.push_back(list->append(std::make_shared<SwiGLU>(d_model, hidden, gen)));
   }
 }
 
 const std::shared_ptr<SwiGLU>& MoE::expert(int64_t e) const {
-  TANDEM_CHECK(e >= 0 && e < num_experts_, "[nn::MoE] expected an expert in [0, {}), got {}",
-               num_experts_, e);
-  return experts_[static_cast<size_t>(e)];
+  TANDEM_CHECK(is_local_expert(e), "[nn::MoE] expected a local expert in [{}, {}), got {}",
+               first_local_, first_local_ + num_local_experts(), e);
+  return experts_[static_cast<size_t>(e - first_local_)];
+}
+
+void MoE::keep_experts(int64_t first, int64_t count) {
+  TANDEM_CHECK(num_local_experts() == num_experts_,
+               "[nn::MoE] expected keep_experts once, on the full set of {} experts, got {} local",
+               num_experts_, num_local_experts());
+  TANDEM_CHECK(count >= 1 && first >= 0 && first + count <= num_experts_,
+               "[nn::MoE] expected a range of experts inside [0, {}), got [{}, {})", num_experts_,
+               first, first + count);
+  auto shard = std::make_shared<ExpertShard>();
+  std::vector<std::shared_ptr<SwiGLU>> kept;
+  for (int64_t e = first; e < first + count; ++e) {
+    kept.push_back(experts_[static_cast<size_t>(e)]);
+    shard->add(e, kept.back());
+  }
+  replace_module("experts", shard);
+  experts_ = std::move(kept);
+  first_local_ = first;
+}
+
+void MoE::set_dispatcher(std::shared_ptr<MoEDispatcher> dispatcher) {
+  dispatcher_ = std::move(dispatcher);
 }
 
 Tensor MoE::run_experts(const Tensor& rows, const std::vector<int64_t>& counts) {
-  TANDEM_CHECK(counts.size() == experts_.size(), "[nn::MoE] expected {} per-expert counts, got {}",
+  TANDEM_CHECK(counts.size() == experts_.size(),
+               "[nn::MoE] expected {} per-expert counts (one per local expert), got {}",
                experts_.size(), counts.size());
   std::vector<Tensor> slices = split_sizes(rows, counts, 0);
   std::vector<Tensor> outputs;
   for (size_t e = 0; e < experts_.size(); ++e) {
     if (counts[e] > 0) outputs.push_back((*experts_[e])(slices[e]));
   }
+  if (outputs.empty()) return rows;
   return outputs.size() == 1 ? outputs[0] : cat(outputs, 0);
 }
 
@@ -123,9 +165,18 @@ std::vector<Tensor> MoE::forward(Args& args) {
   Tensor tokens = reshape(x, Shape{-1, d_model_});  // (T, D)
   MoERouting routing = route((*router_)(tokens), top_k_);
   MoEDispatchPlan plan = plan_dispatch(routing.indices, num_experts_);
-  Tensor rows = dispatch_tokens(tokens, plan);
-  Tensor expert_out = run_experts(rows, plan.counts);
-  Tensor y = combine_tokens(expert_out, routing.weights, plan);
+  Tensor y;
+  if (dispatcher_) {
+    y = dispatcher_->run(*this, tokens, routing, plan);
+  } else {
+    TANDEM_CHECK(num_local_experts() == num_experts_,
+                 "[nn::MoE] expected all {} experts on this rank or a dispatcher (expert "
+                 "parallelism), got {} local experts and no dispatcher",
+                 num_experts_, num_local_experts());
+    Tensor rows = dispatch_tokens(tokens, plan);
+    Tensor expert_out = run_experts(rows, plan.counts);
+    y = combine_tokens(expert_out, routing.weights, plan);
+  }
   return {reshape(y, x.shape()), load_balancing_loss(routing.probs, plan)};
 }
 

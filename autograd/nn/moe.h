@@ -8,7 +8,9 @@
 // → [experts] → combine_tokens. In the expert-parallel MoE the plan's counts
 // become the all-to-all split sizes and the local permutation is followed by
 // an all-to-all (DESIGN §8: the dispatch [A], experts [B] and combine [C]
-// hooks sit between these steps).
+// hooks sit between these steps). The replacement is an MoEDispatcher that
+// the ExpertParallel style (parallel/expert_parallel.h) installs, together
+// with keep_experts(), which drops the experts other ranks own.
 //
 // Note [MoE per-call state]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -69,6 +71,21 @@ Tensor combine_tokens(const Tensor& expert_out, const Tensor& weights, const MoE
 // for perfectly uniform routing. A 0-d tensor of probs' dtype.
 Tensor load_balancing_loss(const Tensor& probs, const MoEDispatchPlan& plan);
 
+class MoE;
+
+// What runs between the plan and the output of one forward: dispatch →
+// experts → combine. Without one, MoE runs every expert on this rank; expert
+// parallelism installs one that exchanges tokens between ranks. It is
+// configuration, set once; per-call state stays in locals and autograd nodes
+// (Note [MoE per-call state]).
+class MoEDispatcher {
+ public:
+  virtual ~MoEDispatcher() = default;
+  // tokens (T, D), routing and plan of this call → y (T, D), as combine_tokens.
+  virtual Tensor run(MoE& moe, const Tensor& tokens, const MoERouting& routing,
+                     const MoEDispatchPlan& plan) = 0;
+};
+
 // Input x (…, d_model); outputs {y of x's shape, aux_loss (0-d)}: aux_loss is
 // load_balancing_loss of this call (Note [MoE per-call state]); scale it and
 // add it to the training loss. Children: router (Linear d_model → E, no
@@ -80,10 +97,29 @@ class MoE final : public Module {
   int64_t num_experts() const { return num_experts_; }
   int64_t top_k() const { return top_k_; }
   const std::shared_ptr<Linear>& router() const { return router_; }
+  // Expert e by global index; it must be local (see keep_experts).
   const std::shared_ptr<SwiGLU>& expert(int64_t e) const;
 
-  // Runs expert e on rows [offset_e, offset_e + counts[e]) of `rows` (T*k, D)
-  // and concatenates the results in row order. Experts without rows are skipped.
+  // Experts [first_local_expert(), + num_local_experts()) live on this rank:
+  // all of them unless keep_experts() was called.
+  int64_t first_local_expert() const { return first_local_; }
+  int64_t num_local_experts() const { return static_cast<int64_t>(experts_.size()); }
+  bool is_local_expert(int64_t e) const {
+    return e >= first_local_ && e < first_local_ + num_local_experts();
+  }
+  // Keeps experts [first, first + count) and drops the other experts' modules
+  // and parameters; the kept ones keep their global names
+  // ("experts.5.w1.weight"). Once only, and only with a dispatcher installed
+  // (forward refuses to run a partial expert set locally).
+  void keep_experts(int64_t first, int64_t count);
+
+  void set_dispatcher(std::shared_ptr<MoEDispatcher> dispatcher);
+  const std::shared_ptr<MoEDispatcher>& dispatcher() const { return dispatcher_; }
+
+  // Runs local expert i on rows [offset_i, offset_i + counts[i]) of `rows`
+  // (N, D), counts per local expert, and concatenates the results in row
+  // order. Experts without rows are skipped; with no rows at all the (0, D)
+  // result is `rows` itself, so the graph stays connected.
   Tensor run_experts(const Tensor& rows, const std::vector<int64_t>& counts);
 
  protected:
@@ -94,8 +130,9 @@ class MoE final : public Module {
   int64_t num_experts_;
   int64_t top_k_;
   std::shared_ptr<Linear> router_;
-  std::shared_ptr<ModuleList> experts_list_;
-  std::vector<std::shared_ptr<SwiGLU>> experts_;
+  std::vector<std::shared_ptr<SwiGLU>> experts_;  // the local experts
+  int64_t first_local_ = 0;
+  std::shared_ptr<MoEDispatcher> dispatcher_;
 };
 
 }  // namespace tandem::nn

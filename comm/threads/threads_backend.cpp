@@ -539,10 +539,9 @@ class ThreadsProcessGroup final : public ProcessGroup {
     SharedGroup& g = *shared_;
     const int64_t count = c.output.numel();
     const size_t element = c.output.element_size();
-    for (int j = 1; j < g.size; ++j) {
-      const int r = (rank() + j) % g.size;
+    for (int r = 0; r < g.size; ++r) {
       auto [lo, hi] = chunk_of(r, g.size, count);
-      if (hi <= lo) continue;
+      if (r == rank() || hi <= lo) continue;
       std::memcpy(static_cast<char*>(c.output.raw_data()) + lo * element,
                   static_cast<const char*>(g.slots[r].output.raw_data()) + lo * element,
                   static_cast<size_t>(hi - lo) * element);
@@ -568,11 +567,8 @@ class ThreadsProcessGroup final : public ProcessGroup {
         return;
       }
       case CollectiveKind::AllGather: {
-        // Each rank starts with its own chunk, so the ranks do not all read
-        // the same peer at the same time.
         size_t chunk = bytes_of(c.input);
-        for (int j = 0; j < g.size; ++j) {
-          const int r = (rank() + j) % g.size;
+        for (int r = 0; r < g.size; ++r) {
           std::memcpy(static_cast<char*>(c.output.raw_data()) + r * chunk,
                       g.slots[r].input.raw_data(), chunk);
         }
@@ -603,8 +599,7 @@ class ThreadsProcessGroup final : public ProcessGroup {
           out_row[r + 1] = out_row[r] + c.output_splits[r];
         }
         char* out = static_cast<char*>(c.output.raw_data());
-        for (int j = 0; j < g.size; ++j) {  // own rows first, as for all_gather
-          const int r = (rank() + j) % g.size;
+        for (int r = 0; r < g.size; ++r) {
           const Slot& peer = g.slots[r];
           int64_t offset = 0;
           for (int k = 0; k < rank(); ++k)

@@ -20,6 +20,7 @@
 #include "autograd/function.h"
 #include "autograd/ops.h"
 #include "runtime/error.h"
+#include "runtime/stream.h"
 #include "tests/support/autograd_util.h"
 #include "tests/support/test_util.h"
 
@@ -221,7 +222,7 @@ TEST_CASE("engine: NoGradGuard records nothing and restores grad mode", "[engine
   bool other_records = false;
   {
     NoGradGuard guard;
-    std::thread t([&] { other_records = requires_grad(x * 2.0); });
+    std::thread t([&] { other_records = grad_mode_enabled(); });
     t.join();
   }
   CHECK(other_records);
@@ -417,6 +418,9 @@ TEST_CASE("engine: a tape replayed on another thread while the first records the
   // hook in the middle of B's replay holds the replay until A has recorded
   // part of tape 2r+1, so recording and replay interleave for certain. A
   // replays its tape once B is done (same accumulation order as above).
+  // Each thread has its own current stream (async under
+  // TANDEM_CPU_STREAMS=async): hand-offs are ordered by events, as the worker
+  // pair does (Note [Stream ordering]).
   std::mutex errors_mu;
   std::vector<std::string> errors;
   auto report = [&](const std::exception& e) {
@@ -425,9 +429,12 @@ TEST_CASE("engine: a tape replayed on another thread while the first records the
   };
   std::atomic<int> met_a{0}, met_b{0};
   std::thread::id a_id, b_id;
+  Event main_ready, a_done;
+  main_ready.record(current_stream());
   std::thread a([&] {
     try {
       a_id = std::this_thread::get_id();
+      main_ready.wait(current_stream());
       for (int r = 0; r < rounds; ++r) {
         auto b_replaying = std::make_shared<std::promise<void>>();
         auto a_recorded = std::make_shared<std::promise<void>>();
@@ -440,10 +447,14 @@ TEST_CASE("engine: a tape replayed on another thread while the first records the
           return Tensor();
         });
         Tensor first = sum(tandem::tanh(matmul(h1, w2)));
+        Event first_recorded, first_replayed;
+        first_recorded.record(current_stream());
         std::thread b([&] {
           try {
             b_id = std::this_thread::get_id();
+            first_recorded.wait(current_stream());
             backward(first);
+            first_replayed.record(current_stream());
           } catch (const std::exception& e) {
             report(e);
           }
@@ -453,13 +464,16 @@ TEST_CASE("engine: a tape replayed on another thread while the first records the
         Tensor second = sum(tandem::tanh(matmul(h2, w2)));  // recorded mid-replay
         a_recorded->set_value();
         b.join();
+        first_replayed.wait(current_stream());
         backward(second);
       }
+      a_done.record(current_stream());
     } catch (const std::exception& e) {
       report(e);
     }
   });
   a.join();
+  a_done.wait(current_stream());
   INFO((errors.empty() ? std::string() : errors.front()));
   REQUIRE(errors.empty());
   CHECK(met_a == rounds);

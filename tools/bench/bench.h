@@ -30,6 +30,8 @@ struct Options {
   bool json = false;   // one JSON object on stdout instead of the table
   bool quick = false;  // fewer and shorter trials (a smoke run)
   std::string filter;  // run only rows whose "group name" contains this
+  // `cp` only: the attention layer's size; 0 = the subcommand's default.
+  int64_t seq = 0, dim = 0, heads = 0;
 };
 
 struct TimingConfig {
@@ -109,5 +111,7 @@ class Report {
 int run_tensor(const Options& options);
 int run_autograd(const Options& options);  // bench_autograd.cpp
 int run_comm(const Options& options);      // bench_comm.cpp
+int run_dtensor(const Options& options);   // bench_dtensor.cpp
+int run_cp(const Options& options);        // bench_cp.cpp
 
 }  // namespace tandem::bench

@@ -23,9 +23,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -47,8 +49,9 @@ using Json = nlohmann::ordered_json;
 // Shared with tools/bench/libtorch_autograd.cpp, which repeats these constants
 // and workload_values(): change both together. Every value is an integer hash
 // converted exactly to a multiple of 2^-23 in [-1, 1), times a power-of-two
-// scale, plus a power-of-two offset, so each float is exact and both programs
-// start from the same bits whatever the compiler contracts or reorders.
+// scale (exact), plus an offset of 0 or 1 (one rounding, the same whether or
+// not the compiler contracts it into an FMA), so both programs start from the
+// same bits and their losses and gradients can be compared.
 constexpr int kChainOps = 1000;  // mul by 0.9, add a (4) tensor, tanh, repeated
 constexpr int64_t kChainNumel = 4;
 constexpr int64_t kBatch = 4, kSeq = 256, kModel = 256, kHeads = 4, kHidden = 1024;
@@ -91,7 +94,15 @@ double median_of(std::vector<double> v) {
   return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-void synchronize_cpu() { current_stream(Device::cpu()).synchronize(); }
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+void synchronize_cpu() {
+  current_stream(Device::cpu()).synchronize();
+}
 
 // ---- the workloads ----
 
@@ -99,18 +110,8 @@ void synchronize_cpu() { current_stream(Device::cpu()).synchronize(); }
 template <class Api>
 Tensor run_chain(const Tensor& x, const Tensor& c) {
   Tensor y = x;
-  for (int i = 0; i < kChainOps; ++i) {
-    switch (i % 3) {
-      case 0:
-        y = Api::mul(y, 0.9);
-        break;
-      case 1:
-        y = Api::add(y, c);
-        break;
-      default:
-        y = Api::tanh(y);
-    }
-  }
+  for (int i = 0; i < kChainOps; ++i)
+    y = i % 3 == 0 ? Api::mul(y, 0.9) : i % 3 == 1 ? Api::add(y, c) : Api::tanh(y);
   return Api::sum(y);
 }
 
@@ -226,10 +227,11 @@ struct BlockWorkload {
 // ---- measuring ----
 
 // Per-call medians over trials; each trial repeats the call enough times to
-// last min_trial_s (the same protocol as the LibTorch program).
+// last min_trial_s (the same protocol as the LibTorch program). cpu_s is the
+// process CPU time: at one thread it counts the work done whatever other
+// users' load steals from the wall clock.
 struct StepTimes {
-  double total_s = 0, forward_s = 0, backward_s = 0;
-  double min_s = 0;
+  double total_s = 0, forward_s = 0, backward_s = 0, cpu_s = 0;
   int reps = 0;
 };
 using Step = std::function<void(double& forward_s, double& backward_s)>;
@@ -246,13 +248,15 @@ StepTimes measure(const Step& step, int trials, double min_trial_s) {
     if (t >= min_trial_s || reps >= (1 << 20)) break;
     reps = std::max(2 * reps, static_cast<int>(std::ceil(reps * 1.2 * min_trial_s / t)));
   }
-  std::vector<double> total, forward, backward;
+  std::vector<double> total, forward, backward, cpu;
   for (int trial = 0; trial < trials; ++trial) {
     forward_s = backward_s = 0;
+    double cpu_start = process_cpu_seconds();
     auto start = Clock::now();
     for (int i = 0; i < reps; ++i)
       step(forward_s, backward_s);
     total.push_back(seconds(start, Clock::now()) / reps);
+    cpu.push_back((process_cpu_seconds() - cpu_start) / reps);
     forward.push_back(forward_s / reps);
     backward.push_back(backward_s / reps);
   }
@@ -260,7 +264,7 @@ StepTimes measure(const Step& step, int trials, double min_trial_s) {
   s.total_s = median_of(total);
   s.forward_s = median_of(forward);
   s.backward_s = median_of(backward);
-  s.min_s = *std::min_element(total.begin(), total.end());
+  s.cpu_s = median_of(cpu);
   s.reps = reps;
   return s;
 }
@@ -330,13 +334,12 @@ std::string find_libtorch_program(std::string& why) {
   return path.string();
 }
 
-Json run_libtorch(const std::string& program, const std::string& policy,
-                  const CompareConfig& config) {
+Json run_libtorch_program(const std::string& program, const std::string& policy,
+                          const CompareConfig& config) {
   std::string env = policy == "passive" ? "env OMP_WAIT_POLICY=passive" : "env -u OMP_WAIT_POLICY";
-  std::string command =
-      fmt::format("{} {} --chain-trials {} --block-trials {} --min-trial-ms {}", env,
-                  shell_quote(program), config.chain_trials, config.block_trials,
-                  config.min_trial_s * 1e3);
+  std::string command = fmt::format("{} {} --chain-trials {} --block-trials {} --min-trial-ms {}",
+                                    env, shell_quote(program), config.chain_trials,
+                                    config.block_trials, config.min_trial_s * 1e3);
   std::fflush(stdout);
   FILE* pipe = popen(command.c_str(), "r");
   TANDEM_CHECK(pipe != nullptr, "[bench::autograd] expected to start `{}`, got popen failing",
@@ -351,10 +354,9 @@ Json run_libtorch(const std::string& program, const std::string& policy,
                "[bench::autograd] expected `{}` to exit with status 0, got {} (its stderr is "
                "above)",
                command,
-               status == -1 ? std::string("pclose failing")
-               : WIFEXITED(status)
-                   ? fmt::format("status {}", WEXITSTATUS(status))
-                   : fmt::format("signal {}", WTERMSIG(status)));
+               status == -1        ? std::string("pclose failing")
+               : WIFEXITED(status) ? fmt::format("status {}", WEXITSTATUS(status))
+                                   : fmt::format("signal {}", WTERMSIG(status)));
   Json j = Json::parse(out, nullptr, false);
   TANDEM_CHECK(!j.is_discarded() && j.is_object(),
                "[bench::autograd] expected one JSON object from {}, got: {}", program,
@@ -369,15 +371,15 @@ std::vector<float> json_floats(const Json& j) {
   return v;
 }
 
-// Per-round seconds of one LibTorch measurement, e.g. ("chain", 0) or
-// ("block", 2).
-double libtorch_seconds(const Json& run, const std::string& what, int threads) {
-  if (what == "chain") return run.at("chain").at("median_ms").get<double>() * 1e-3;
+// Seconds of one LibTorch measurement in one round, e.g. ("chain", 0) or
+// ("block", 2); `field` is "median_ms" (wall) or "cpu_median_ms".
+double libtorch_seconds(const Json& run, const std::string& what, int threads,
+                        const char* field = "median_ms") {
+  if (what == "chain") return run.at("chain").at(field).get<double>() * 1e-3;
   for (const auto& b : run.at("block").at("threads")) {
-    if (b.at("threads").get<int>() == threads) return b.at("median_ms").get<double>() * 1e-3;
+    if (b.at("threads").get<int>() == threads) return b.at(field).get<double>() * 1e-3;
   }
-  TANDEM_FAIL("[bench::autograd] expected LibTorch block times at {} threads, got none",
-              threads);
+  TANDEM_FAIL("[bench::autograd] expected LibTorch block times at {} threads, got none", threads);
 }
 
 Timing timing_over_rounds(const std::vector<double>& per_round, int reps) {
@@ -496,71 +498,20 @@ Json measure_block_memory(BlockWorkload& block, std::string& text) {
   return memory;
 }
 
-// Tandem's figures from the rounds: notes and the "tandem" JSON field.
-std::vector<std::string> summarize_tandem(const std::vector<TandemRound>& rounds, bool want_chain,
-                                          bool want_block, Json& tandem_json) {
-  std::vector<std::string> notes;
-  const double per_op = 1e9 / kChainOps;
-  auto median_over_rounds = [&](auto get) {
-    std::vector<double> v;
-    for (const TandemRound& r : rounds)
-      v.push_back(get(r));
-    return median_of(v);
-  };
-  if (want_chain) {
-    double total = median_over_rounds([](const TandemRound& r) { return r.chain.total_s; });
-    double fwd = median_over_rounds([](const TandemRound& r) { return r.chain.forward_s; });
-    double bwd = median_over_rounds([](const TandemRound& r) { return r.chain.backward_s; });
-    tandem_json["autograd_ns_per_op"] = total * per_op;
-    tandem_json["autograd_forward_ns_per_op"] = fwd * per_op;
-    tandem_json["autograd_backward_ns_per_op"] = bwd * per_op;
-    std::string raw;
-    if (tandem_json.contains("raw_ops_forward_ns_per_op")) {
-      raw = fmt::format("; raw tandem::ops forward only: {:.0f} ns",
-                        tandem_json["raw_ops_forward_ns_per_op"].get<double>());
-    }
-    notes.push_back(
-        fmt::format("tandem per op, forward+backward: {:.0f} ns (forward {:.0f}, backward {:.0f}){}",
-                    total * per_op, fwd * per_op, bwd * per_op, raw));
-  }
-  if (want_block) {
-    Json steps = Json::object();
-    for (int threads : kThreadSettings) {
-      auto get = [&](double StepTimes::*field) {
-        return median_over_rounds([&](const TandemRound& r) { return r.block.at(threads).*field; });
-      };
-      double total = get(&StepTimes::total_s);
-      double fwd = get(&StepTimes::forward_s);
-      double bwd = get(&StepTimes::backward_s);
-      steps[std::to_string(threads)] = {
-          {"step_ms", total * 1e3}, {"forward_ms", fwd * 1e3}, {"backward_ms", bwd * 1e3}};
-      notes.push_back(
-          fmt::format("tandem block step, {} thread{}: {:.1f} ms (forward {:.1f}, backward {:.1f})",
-                      threads, threads == 1 ? "" : "s", total * 1e3, fwd * 1e3, bwd * 1e3));
-    }
-    tandem_json["block_step"] = std::move(steps);
-  }
-  return notes;
-}
+// ---- the rounds against LibTorch ----
 
-// The rounds of Note [LibTorch rounds]; without the LibTorch program, only
-// tandem's figures (notes and the "tandem" JSON field).
-void bench_against_libtorch(Report& report, const Options& options, Json& tandem_json) {
-  const CompareConfig config = compare_config(options);
-  const bool want_chain = report.wants(overhead_row("LibTorch", 0));
-  const bool want_block = report.wants(block_row(1, "LibTorch"));
-  if (!want_chain && !want_block) return;
+constexpr const char* kPolicies[] = {"unset", "passive"};  // OMP_WAIT_POLICY
 
-  std::string why_not;
-  const std::string program = find_libtorch_program(why_not);
-  const std::vector<std::string> policies = {"unset", "passive"};
+struct Rounds {
+  std::vector<TandemRound> tandem;
+  std::vector<std::vector<Json>> libtorch;  // [round][policy]
+  std::string libtorch_error;               // the first failed LibTorch run
+};
 
-  ChainWorkload chain;
-  BlockWorkload block;
-  std::vector<TandemRound> tandem_rounds;
-  std::vector<std::vector<Json>> libtorch_rounds;  // [round][policy]
-  std::string libtorch_error;
-
+// Note [LibTorch rounds]. Without `program`, tandem only.
+Rounds run_rounds(const std::string& program, bool want_chain, bool want_block,
+                  const CompareConfig& config, ChainWorkload& chain, BlockWorkload& block) {
+  Rounds rounds;
   auto run_tandem = [&] {
     TandemRound r;
     ops::set_num_threads(1);
@@ -568,174 +519,283 @@ void bench_against_libtorch(Report& report, const Options& options, Json& tandem
       r.chain = measure([&](double& f, double& b) { chain.step(f, b); }, config.chain_trials,
                         config.min_trial_s);
     }
-    if (want_block) {
-      for (int threads : kThreadSettings) {
-        ops::set_num_threads(threads);
-        r.block[threads] = measure([&](double& f, double& b) { block.step(f, b); },
-                                   config.block_trials, config.min_trial_s);
-      }
+    for (int threads : kThreadSettings) {
+      if (!want_block) break;
+      ops::set_num_threads(threads);
+      r.block[threads] = measure([&](double& f, double& b) { block.step(f, b); },
+                                 config.block_trials, config.min_trial_s);
     }
     // Let OpenBLAS's second thread go idle before LibTorch's process starts.
     ops::set_num_threads(1);
-    tandem_rounds.push_back(std::move(r));
+    rounds.tandem.push_back(std::move(r));
   };
-  auto run_libtorch_round = [&](bool reversed) {
-    std::vector<Json> runs(policies.size());
-    for (size_t i = 0; i < policies.size(); ++i) {
-      size_t p = reversed ? policies.size() - 1 - i : i;
-      runs[p] = run_libtorch(program, policies[p], config);
+  auto run_libtorch = [&](bool reversed) {
+    std::vector<Json> runs(std::size(kPolicies));
+    for (size_t i = 0; i < runs.size(); ++i) {
+      size_t p = reversed ? runs.size() - 1 - i : i;
+      runs[p] = run_libtorch_program(program, kPolicies[p], config);
     }
-    libtorch_rounds.push_back(std::move(runs));
+    rounds.libtorch.push_back(std::move(runs));
   };
+  for (int round = 0; round < config.rounds; ++round) {
+    bool tandem_first = round % 2 == 0;
+    if (tandem_first) run_tandem();
+    if (!program.empty() && rounds.libtorch_error.empty()) {
+      try {
+        run_libtorch(!tandem_first);
+      } catch (const std::exception& e) {
+        rounds.libtorch_error = e.what();
+      }
+    }
+    if (!tandem_first) run_tandem();
+  }
+  return rounds;
+}
 
+template <class Get>
+std::vector<double> tandem_per_round(const Rounds& rounds, Get get) {
+  std::vector<double> v;
+  for (const TandemRound& r : rounds.tandem)
+    v.push_back(get(r));
+  return v;
+}
+
+// Tandem's own figures: the "tandem" JSON field and its lines of text.
+std::string summarize_tandem(const Rounds& rounds, bool want_chain, bool want_block,
+                             Json& tandem_json) {
+  std::string text;
+  const double per_op = 1e9 / kChainOps;
+  if (want_chain) {
+    auto get = [&](double StepTimes::*field) {
+      return median_of(
+          tandem_per_round(rounds, [&](const TandemRound& r) { return r.chain.*field; }));
+    };
+    double total = get(&StepTimes::total_s), fwd = get(&StepTimes::forward_s);
+    double bwd = get(&StepTimes::backward_s);
+    tandem_json["autograd_ns_per_op"] = total * per_op;
+    tandem_json["autograd_forward_ns_per_op"] = fwd * per_op;
+    tandem_json["autograd_backward_ns_per_op"] = bwd * per_op;
+    text += fmt::format(
+        "\ntandem per op, forward+backward: {:.0f} ns (forward {:.0f}, backward "
+        "{:.0f}); raw tandem::ops forward only: {:.0f} ns",
+        total * per_op, fwd * per_op, bwd * per_op,
+        tandem_json.value("raw_ops_forward_ns_per_op", std::nan("")));
+  }
+  if (want_block) {
+    Json steps = Json::object();
+    for (int threads : kThreadSettings) {
+      auto get = [&](double StepTimes::*field) {
+        return median_of(tandem_per_round(
+            rounds, [&](const TandemRound& r) { return r.block.at(threads).*field; }));
+      };
+      double total = get(&StepTimes::total_s), fwd = get(&StepTimes::forward_s);
+      double bwd = get(&StepTimes::backward_s), cpu = get(&StepTimes::cpu_s);
+      steps[std::to_string(threads)] = {{"step_ms", total * 1e3},
+                                        {"forward_ms", fwd * 1e3},
+                                        {"backward_ms", bwd * 1e3},
+                                        {"process_cpu_ms", cpu * 1e3}};
+      text += fmt::format(
+          "\ntandem block step, {} thread{}: {:.1f} ms (forward {:.1f}, backward "
+          "{:.1f}; process CPU time {:.1f})",
+          threads, threads == 1 ? "" : "s", total * 1e3, fwd * 1e3, bwd * 1e3, cpu * 1e3);
+    }
+    tandem_json["block_step"] = std::move(steps);
+  }
+  return text;
+}
+
+// Correctness first: the same loss and gradients as LibTorch from the same
+// bits (its first run's "check"). Returns the mismatch, or empty.
+std::string check_against_libtorch(const Rounds& rounds, bool want_chain, bool want_block,
+                                   ChainWorkload& chain, BlockWorkload& block) {
+  if (!rounds.libtorch_error.empty()) return rounds.libtorch_error;
+  const Json& check = rounds.libtorch.front().front().at("check");
+  if (want_chain) {
+    std::string m = compare(chain.check(), json_floats(check.at("chain")), 1e-4, 1e-6);
+    if (!m.empty()) return "chain (output, gradient sum): " + m;
+  }
+  if (want_block) {
+    std::string m = compare(block.check(), json_floats(check.at("block")), 2e-3, 1e-6);
+    if (!m.empty()) return "block (loss, gradient norms): " + m;
+  }
+  return {};
+}
+
+// LibTorch's settings for "chain" (per wait policy) or "block" (per wait
+// policy and threads), with their per-round times.
+std::vector<LibTorchSetting> libtorch_settings(const Rounds& rounds, const std::string& what) {
+  std::vector<LibTorchSetting> settings;
+  for (size_t p = 0; p < std::size(kPolicies); ++p) {
+    for (int threads : kThreadSettings) {
+      LibTorchSetting s;
+      s.label = what == "chain" ? fmt::format("OMP_WAIT_POLICY {}", kPolicies[p])
+                                : fmt::format("{} thr, OMP_WAIT_POLICY {}", threads, kPolicies[p]);
+      for (const auto& runs : rounds.libtorch)
+        s.per_round.push_back(libtorch_seconds(runs[p], what, threads));
+      settings.push_back(std::move(s));
+      if (what == "chain") break;  // one thread
+    }
+  }
+  return settings;
+}
+
+// The "libtorch" JSON field: versions, medians of every setting, every run.
+Json libtorch_summary(const Rounds& rounds, const std::string& program, std::string& text) {
+  Json j = {{"skipped", false}, {"program", program}};
+  if (!rounds.libtorch_error.empty()) {
+    j["error"] = rounds.libtorch_error;
+    text = fmt::format("\nLibTorch run failed: {}", rounds.libtorch_error);
+    return j;
+  }
+  const Json& first = rounds.libtorch.front().front();
+  j["torch_version"] = first.value("torch_version", "");
+  j["blas_threads"] = first.value("blas_threads", "");
+  Json medians = Json::object();
+  for (const auto& s : libtorch_settings(rounds, "chain"))
+    medians["chain ns/op, " + s.label] = median_of(s.per_round) * 1e9 / kChainOps;
+  for (const auto& s : libtorch_settings(rounds, "block"))
+    medians["block step ms, " + s.label] = median_of(s.per_round) * 1e3;
+  text =
+      fmt::format("\nLibTorch {} ({}), medians over rounds:", j["torch_version"].get<std::string>(),
+                  j["blas_threads"].get<std::string>());
+  for (const auto& [key, value] : medians.items())
+    text += fmt::format("\n  {}: {:.1f}", key, value.get<double>());
+  j["medians_over_rounds"] = std::move(medians);
+  j["rounds"] = rounds.libtorch;
+  return j;
+}
+
+// Fills `row` against LibTorch's best setting; returns its "comparison" entry,
+// in which `scale` turns seconds into `unit` (ns per op, ms per step).
+Json compare_with_best(Row& row, const std::vector<double>& tandem_s, int reps,
+                       const std::vector<LibTorchSetting>& settings, const std::string& what,
+                       double scale, const char* unit, double target_max) {
+  const LibTorchSetting& best = best_setting(settings);
+  row.baseline = "LibTorch, " + best.label;
+  row.timing = pair_over_rounds(tandem_s, reps, best);
+  double over = 1.0 / row.timing.ratio;
+  return {{"what", what},
+          {"tandem", median_of(tandem_s) * scale},
+          {"libtorch", median_of(best.per_round) * scale},
+          {"unit", unit},
+          {"libtorch_setting", best.label},
+          {"tandem_over_libtorch", over},
+          {"target_max", target_max},
+          {"pass", over <= target_max}};
+}
+
+// Process CPU time per call at one thread, tandem / LibTorch (median over
+// rounds): a second view of the one-thread rows that other users' load on the
+// shared cores hardly moves, since time spent descheduled is not counted.
+Json compare_cpu_time(const Rounds& rounds, bool want_chain, bool want_block, std::string& text) {
+  auto compare_one = [&](const std::string& what, auto tandem_cpu) {
+    std::vector<double> t, l, ratios;
+    for (size_t r = 0; r < rounds.tandem.size(); ++r) {
+      double lt = INFINITY;  // the faster wait policy
+      for (const Json& run : rounds.libtorch[r])
+        lt = std::min(lt, libtorch_seconds(run, what, 1, "cpu_median_ms"));
+      t.push_back(tandem_cpu(rounds.tandem[r]));
+      l.push_back(lt);
+      ratios.push_back(t.back() / lt);
+    }
+    return Json{{"tandem_ms", median_of(t) * 1e3},
+                {"libtorch_ms", median_of(l) * 1e3},
+                {"tandem_over_libtorch", median_of(ratios)}};
+  };
+  Json cpu = Json::object();
+  if (want_chain) {
+    cpu["chain"] = compare_one("chain", [](const TandemRound& r) { return r.chain.cpu_s; });
+  }
+  if (want_block) {
+    cpu["block"] = compare_one("block", [](const TandemRound& r) { return r.block.at(1).cpu_s; });
+  }
+  text = "\nprocess CPU time per call at 1 thread (robust to other users' load):";
+  for (const auto& [what, c] : cpu.items()) {
+    text += fmt::format("\n  {}: tandem {:.3f} ms, LibTorch {:.3f} ms, tandem / LibTorch {:.3f}",
+                        what, c.at("tandem_ms").get<double>(), c.at("libtorch_ms").get<double>(),
+                        c.at("tandem_over_libtorch").get<double>());
+  }
+  return cpu;
+}
+
+// The rounds against LibTorch; without the LibTorch program, tandem's figures
+// only. Sets the "tandem" (adding to `tandem_json`), "libtorch",
+// "cpu_time_1_thread" and "comparison" JSON fields.
+void bench_against_libtorch(Report& report, const Options& options, Json tandem_json) {
+  const CompareConfig config = compare_config(options);
+  const bool want_chain = report.wants(overhead_row("LibTorch", 0));
+  const bool want_block = report.wants(block_row(1, "LibTorch"));
+  if (!want_chain && !want_block) {
+    report.set("tandem", std::move(tandem_json), "");
+    return;
+  }
+  std::string why_not;
+  const std::string program = find_libtorch_program(why_not);
   report.note(program.empty()
                   ? fmt::format("\nmeasuring tandem ({} rounds); LibTorch comparison skipped",
                                 config.rounds)
                   : fmt::format("\nalternating tandem and {} (OMP_WAIT_POLICY unset, passive) "
                                 "for {} rounds ...",
                                 kLibTorchProgram, config.rounds));
-  for (int round = 0; round < config.rounds; ++round) {
-    bool tandem_first = round % 2 == 0;
-    if (tandem_first) run_tandem();
-    if (!program.empty() && libtorch_error.empty()) {
-      try {
-        run_libtorch_round(!tandem_first);
-      } catch (const std::exception& e) {
-        libtorch_error = e.what();
-      }
-    }
-    if (!tandem_first) run_tandem();
-  }
-  std::vector<std::string> notes = summarize_tandem(tandem_rounds, want_chain, want_block,
-                                                    tandem_json);
+  ChainWorkload chain;
+  BlockWorkload block;
+  const Rounds rounds = run_rounds(program, want_chain, want_block, config, chain, block);
+  std::string tandem_text = summarize_tandem(rounds, want_chain, want_block, tandem_json);
   if (want_block) {
     std::string text;
     tandem_json["block_memory"] = measure_block_memory(block, text);
-    notes.push_back(text);
+    tandem_text += "\n" + text;
   }
-
   if (program.empty()) {
-    for (const std::string& line : notes)
-      report.note(line);
+    report.set("tandem", std::move(tandem_json), tandem_text);
     report.set("libtorch", {{"skipped", true}, {"reason", why_not}},
                fmt::format("LibTorch comparison skipped: {}", why_not));
     return;
   }
 
-  // Correctness first: the same loss and gradients as LibTorch from the same
-  // bits, else the rows report the mismatch instead of a ratio.
-  std::string mismatch = libtorch_error;
-  if (mismatch.empty()) {
-    const Json& check = libtorch_rounds.front().front().at("check");
-    if (want_chain) {
-      std::string m = compare(chain.check(), json_floats(check.at("chain")), 1e-4, 1e-6);
-      if (!m.empty()) mismatch = "chain (output, gradient sum): " + m;
-    }
-    if (want_block && mismatch.empty()) {
-      std::string m = compare(block.check(), json_floats(check.at("block")), 2e-3, 1e-6);
-      if (!m.empty()) mismatch = "block (loss, gradient norms): " + m;
-    }
-  }
-
-  // Settings: the chain per wait policy; the block per wait policy and threads.
-  const double per_op = 1e9 / kChainOps;
-  std::vector<LibTorchSetting> chain_settings, block_settings;
-  Json libtorch_json = {{"skipped", false}, {"program", program}};
-  std::string libtorch_text;
-  if (libtorch_error.empty()) {
-    const Json& first = libtorch_rounds.front().front();
-    libtorch_json["torch_version"] = first.value("torch_version", "");
-    libtorch_json["blas_threads"] = first.value("blas_threads", "");
-    for (size_t p = 0; p < policies.size(); ++p) {
-      LibTorchSetting c{fmt::format("OMP_WAIT_POLICY {}", policies[p]), {}};
-      for (const auto& runs : libtorch_rounds)
-        c.per_round.push_back(libtorch_seconds(runs[p], "chain", 0));
-      if (want_chain) chain_settings.push_back(std::move(c));
-      for (int threads : kThreadSettings) {
-        LibTorchSetting s{fmt::format("{} thr, OMP_WAIT_POLICY {}", threads, policies[p]), {}};
-        for (const auto& runs : libtorch_rounds)
-          s.per_round.push_back(libtorch_seconds(runs[p], "block", threads));
-        if (want_block) block_settings.push_back(std::move(s));
-      }
-    }
-    Json medians = Json::object();
-    for (const auto& s : chain_settings)
-      medians["chain ns/op, " + s.label] = median_of(s.per_round) * per_op;
-    for (const auto& s : block_settings)
-      medians["block step ms, " + s.label] = median_of(s.per_round) * 1e3;
-    libtorch_text = fmt::format("\nLibTorch {} ({}), medians over rounds:",
-                                libtorch_json["torch_version"].get<std::string>(),
-                                libtorch_json["blas_threads"].get<std::string>());
-    for (const auto& [key, value] : medians.items())
-      libtorch_text += fmt::format("\n  {}: {:.1f}", key, value.get<double>());
-    libtorch_json["medians_over_rounds"] = std::move(medians);
-    libtorch_json["rounds"] = libtorch_rounds;
-  } else {
-    libtorch_json["error"] = libtorch_error;
-    libtorch_text = fmt::format("LibTorch run failed: {}", libtorch_error);
-  }
-
+  const std::string mismatch = check_against_libtorch(rounds, want_chain, want_block, chain, block);
   Json comparison = Json::array();
   if (want_chain) {
-    Row row = overhead_row("LibTorch 1.13 (own process)", 1.0 / kOverheadTargetMax);
-    if (!mismatch.empty()) {
-      row.error = mismatch;
-    } else {
-      const LibTorchSetting& best = best_setting(chain_settings);
-      row.baseline = "LibTorch, " + best.label;
-      std::vector<double> tandem_s;
-      for (const TandemRound& r : tandem_rounds)
-        tandem_s.push_back(r.chain.total_s);
-      row.timing = pair_over_rounds(tandem_s, tandem_rounds.front().chain.reps, best);
-      double over = 1.0 / row.timing.ratio;
-      comparison.push_back({{"what", "per-op overhead, forward+backward"},
-                            {"tandem_ns_per_op", median_of(tandem_s) * per_op},
-                            {"libtorch_ns_per_op", median_of(best.per_round) * per_op},
-                            {"libtorch_setting", best.label},
-                            {"tandem_over_libtorch", over},
-                            {"target_max", kOverheadTargetMax},
-                            {"pass", over <= kOverheadTargetMax}});
+    Row row = overhead_row("LibTorch 1.13", 1.0 / kOverheadTargetMax);
+    if (mismatch.empty()) {
+      comparison.push_back(compare_with_best(
+          row, tandem_per_round(rounds, [](const TandemRound& r) { return r.chain.total_s; }),
+          rounds.tandem.front().chain.reps, libtorch_settings(rounds, "chain"),
+          "per-op overhead, forward+backward", 1e9 / kChainOps, "ns/op", kOverheadTargetMax));
     }
+    row.error = mismatch;
     report.add(std::move(row));
   }
-  if (want_block) {
-    for (int threads : kThreadSettings) {
-      Row row = block_row(threads, "LibTorch 1.13 best setting");
-      if (!mismatch.empty()) {
-        row.error = mismatch;
-      } else {
-        const LibTorchSetting& best = best_setting(block_settings);
-        row.baseline = "LibTorch, " + best.label;
-        std::vector<double> tandem_s;
-        for (const TandemRound& r : tandem_rounds)
-          tandem_s.push_back(r.block.at(threads).total_s);
-        row.timing = pair_over_rounds(tandem_s, 1, best);
-        double over = 1.0 / row.timing.ratio;
-        comparison.push_back({{"what", fmt::format("block step, tandem at {} thread{}", threads,
-                                                   threads == 1 ? "" : "s")},
-                              {"tandem_ms", median_of(tandem_s) * 1e3},
-                              {"libtorch_best_ms", median_of(best.per_round) * 1e3},
-                              {"libtorch_setting", best.label},
-                              {"tandem_over_libtorch", over},
-                              {"target_max", kBlockTargetMax},
-                              {"pass", over <= kBlockTargetMax}});
-      }
-      report.add(std::move(row));
+  for (int threads : kThreadSettings) {
+    if (!want_block) break;
+    Row row = block_row(threads, "LibTorch 1.13 best setting");
+    if (mismatch.empty()) {
+      comparison.push_back(compare_with_best(
+          row,
+          tandem_per_round(rounds,
+                           [&](const TandemRound& r) { return r.block.at(threads).total_s; }),
+          1, libtorch_settings(rounds, "block"),
+          fmt::format("block step, tandem at {} thread{}", threads, threads == 1 ? "" : "s"), 1e3,
+          "ms", kBlockTargetMax));
     }
+    row.error = mismatch;
+    report.add(std::move(row));
   }
 
-  report.note("");
-  for (const std::string& line : notes)
-    report.note(line);
-  report.set("libtorch", std::move(libtorch_json), libtorch_text);
-  std::string text = "\ntandem / LibTorch, median over rounds of the per-round ratio:";
+  std::string text;
+  report.set("tandem", std::move(tandem_json), tandem_text);
+  Json libtorch_json = libtorch_summary(rounds, program, text);
+  report.set("libtorch", std::move(libtorch_json), text);
+  if (!mismatch.empty()) return;
+  Json cpu = compare_cpu_time(rounds, want_chain, want_block, text);
+  report.set("cpu_time_1_thread", std::move(cpu), text);
+  text = "\ntandem / LibTorch, median over rounds of the per-round ratio:";
   for (const Json& c : comparison) {
-    text += fmt::format("\n  {}: {:.3f} (target <= {:.2f}) {}", c.at("what").get<std::string>(),
-                        c.at("tandem_over_libtorch").get<double>(),
-                        c.at("target_max").get<double>(),
-                        c.at("pass").get<bool>() ? "PASS" : "MISS");
+    text +=
+        fmt::format("\n  {}: {:.3f} (target <= {:.2f}) {}", c.at("what").get<std::string>(),
+                    c.at("tandem_over_libtorch").get<double>(), c.at("target_max").get<double>(),
+                    c.at("pass").get<bool>() ? "PASS" : "MISS");
   }
-  if (comparison.empty()) text.clear();
   report.set("comparison", std::move(comparison), text);
 }
 
@@ -759,8 +819,13 @@ int run_autograd(const Options& options) {
                          kChainOps, kChainNumel, kBatch, kSeq, kModel, kHeads, kHidden));
   Json tandem_json = Json::object();
   bench_overhead_vs_ops(report, config, tandem_json);
-  bench_against_libtorch(report, options, tandem_json);
-  report.set("tandem", std::move(tandem_json), "");
+  try {
+    bench_against_libtorch(report, options, std::move(tandem_json));
+  } catch (const std::exception& e) {  // a tandem op failing in the rounds
+    Row row = block_row(1, "LibTorch");
+    row.error = e.what();
+    report.add(std::move(row));
+  }
   return report.finish();
 }
 

@@ -19,7 +19,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
+#include <ctime>
 #include <exception>
 #include <functional>
 #include <limits>
@@ -62,10 +62,19 @@ torch::Tensor workload_tensor(uint64_t salt, std::vector<int64_t> shape, float s
   return torch::from_blob(v.data(), shape, torch::kFloat32).clone();
 }
 
-torch::Tensor leaf(torch::Tensor t) { return t.set_requires_grad(true); }
+torch::Tensor leaf(torch::Tensor t) {
+  return t.set_requires_grad(true);
+}
 
 double seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
+}
+
+// Process CPU time, reported next to wall time (see bench_autograd.cpp).
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
 double median_of(std::vector<double> v) {
@@ -209,19 +218,22 @@ Json measure(const Step& step, int trials, double min_trial_s) {
     if (t >= min_trial_s || reps >= (1 << 20)) break;
     reps = std::max(2 * reps, static_cast<int>(std::ceil(reps * 1.2 * min_trial_s / t)));
   }
-  std::vector<double> total, forward, backward;
+  std::vector<double> total, forward, backward, cpu;
   for (int trial = 0; trial < trials; ++trial) {
     forward_s = backward_s = 0;
+    double cpu_start = process_cpu_seconds();
     auto start = Clock::now();
     for (int i = 0; i < reps; ++i)
       step(forward_s, backward_s);
     total.push_back(seconds(start, Clock::now()) / reps);
+    cpu.push_back((process_cpu_seconds() - cpu_start) / reps);
     forward.push_back(forward_s / reps);
     backward.push_back(backward_s / reps);
   }
   return {{"median_ms", median_of(total) * 1e3},
           {"forward_median_ms", median_of(forward) * 1e3},
           {"backward_median_ms", median_of(backward) * 1e3},
+          {"cpu_median_ms", median_of(cpu) * 1e3},
           {"min_ms", *std::min_element(total.begin(), total.end()) * 1e3},
           {"reps", reps},
           {"trials", trials}};
@@ -288,9 +300,10 @@ int main(int argc, char** argv) {
       t["torch_num_threads"] = torch::get_num_threads();
       threads.push_back(std::move(t));
     }
-    out["block"] = {{"shape", {{"B", kBatch}, {"S", kSeq}, {"d", kModel}, {"heads", kHeads},
-                               {"hidden", kHidden}}},
-                    {"threads", std::move(threads)}};
+    out["block"] = {
+        {"shape",
+         {{"B", kBatch}, {"S", kSeq}, {"d", kModel}, {"heads", kHeads}, {"hidden", kHidden}}},
+        {"threads", std::move(threads)}};
 
     rusage usage{};
     getrusage(RUSAGE_SELF, &usage);

@@ -26,7 +26,15 @@ int main(int argc, char** argv) {
       "autograd", "per-op autograd overhead and a transformer block step, against LibTorch");
   CLI::App* comm = app.add_subcommand(
       "comm", "collective bandwidth against direct MPI calls and a shared-memory reference");
-  for (CLI::App* sub : {autograd, comm}) {
+  CLI::App* dtensor = app.add_subcommand(
+      "dtensor", "DTensor redistribution against the raw collectives it plans to (4 ranks)");
+  CLI::App* cp = app.add_subcommand(
+      "cp", "context-parallel attention modes on a simulated link: time, exposed communication, "
+            "bytes and peak memory per rank (4 ranks)");
+  cp->add_option("--seq", options.seq, "sequence length S (default: the largest that fits)");
+  cp->add_option("--dim", options.dim, "model dimension d (default 1024, 256 with --quick)");
+  cp->add_option("--heads", options.heads, "attention heads (default 16)");
+  for (CLI::App* sub : {autograd, comm, dtensor, cp}) {
     sub->add_flag("--json", options.json, "print one JSON object instead of the table");
     sub->add_flag("--quick", options.quick, "fewer, shorter trials (a smoke run)");
     sub->add_option("--filter", options.filter, "run only the rows whose name contains this text");
@@ -38,6 +46,8 @@ int main(int argc, char** argv) {
     if (*tensor) return tandem::bench::run_tensor(options);
     if (*autograd) return tandem::bench::run_autograd(options);
     if (*comm) return tandem::bench::run_comm(options);
+    if (*dtensor) return tandem::bench::run_dtensor(options);
+    if (*cp) return tandem::bench::run_cp(options);
   } catch (const std::exception& e) {
     fmt::print(stderr, "tandem-bench: error: {}\n", e.what());
     return 1;

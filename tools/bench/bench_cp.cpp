@@ -1,0 +1,665 @@
+// `tandem-bench cp`: context parallelism (DESIGN §7) on a simulated link
+// (Note [Simulated link timing]). One causal self-attention layer with its
+// q/k/v/o projections, forward + backward in f32, runs on 4 rank threads in
+// each CP mode: Ulysses (ds=4), all-gather KV (ds=1, with and without load
+// balance), hybrid (ds=2), ring (with and without load balance), and the
+// async variants of Ulysses and all-gather KV (AsyncContextParallel).
+//
+// Note [CP benchmark method]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The link. At start-up the 4 rank threads run the local q-projection GEMM,
+// (B, S/4, d) x (d, d), concurrently — as they do inside a CP step, sharing
+// this machine's cores — and the bandwidth is chosen so that one all-to-all of
+// that projection's output, (n-1)/n of its bytes per rank, takes as long as
+// that GEMM. Communication and projection compute are then of similar size,
+// the regime in which the async variant should hide most communication.
+//
+// Time. Each mode builds two copies of the layer on the same rank threads:
+// one on the simulated link, and one on a link of zero latency and infinite
+// bandwidth that still moves the data (compute only). Their steps alternate,
+// (link, ideal), (ideal, link), …, each step between two barriers of the rank
+// threads, so adjacent steps see the same machine (Note [Benchmark timing]).
+// step = median link step; compute = median ideal step; exposed
+// communication = median over pairs of (link step - ideal step), the time the
+// link adds beyond compute alone.
+//
+// Bytes and link time come from the simulated link itself: the bytes and
+// durations it charges (its trace events) during one traced step, summed per
+// rank over every group the rank uses. "link ms" is that sum, what the step
+// would lose with no overlap at all (separate groups of the hybrid mode may
+// use their links at once, so there it is an upper bound).
+//
+// Peak memory. The single-rank layer runs alone on this thread: peak
+// allocated bytes of one step minus what was allocated before its layer and
+// input existed. The CP run: the same over the whole process, divided by the
+// 4 ranks. The rank threads share the process-wide CPU allocator, so a rank's
+// own peak cannot be read; process peak / 4 is the mean per-rank footprint
+// at the moment of the highest total. Ranks running the same program in step
+// peak together, so this is close to the per-rank peak, but it understates a
+// rank whose peak falls while the others are low.
+#include <algorithm>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <exception>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "autograd/engine.h"
+#include "autograd/nn/attention.h"
+#include "autograd/nn/linear.h"
+#include "autograd/ops.h"
+#include "comm/sim_link.h"
+#include "comm/threads/threads_backend.h"
+#include "parallel/context_parallel.h"
+#include "runtime/allocator.h"
+#include "runtime/error.h"
+#include "runtime/stream.h"
+#include "runtime/trace.h"
+#include "tensor/ops.h"
+#include "tools/bench/bench.h"
+
+namespace tandem::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::ordered_json;
+
+constexpr int kRanks = 4;
+constexpr int64_t kBatch = 1;
+// The issue's layer, and the smoke-run layer of --quick.
+constexpr int64_t kIssueSeq = 8192, kIssueDim = 1024, kIssueHeads = 16;
+constexpr int64_t kQuickSeq = 1024, kQuickDim = 256;
+// What the full run may use: allocated peak times a margin for the cached
+// blocks the allocator holds on top, and wall time.
+constexpr double kMemoryBudgetBytes = 8.0 * (1ll << 30);
+constexpr double kCacheMargin = 1.25;
+constexpr double kRunBudgetS = 300;
+constexpr double kPeakTarget = 0.35;    // per-rank peak / single-rank peak
+constexpr double kAsyncTarget = 0.5;    // exposed comm async / exposed comm sync
+constexpr double kLinkLatencyUs = 2.0;  // NVLink-like; negligible against the GEMM
+constexpr double kMiB = 1 << 20;
+
+struct Mode {
+  const char* name;
+  int ds;  // ulysses_degree
+  bool ring;
+  bool load_balance;
+  bool async;
+  const char* sync_of;  // async modes: the sync mode they are compared with
+  bool peak_target;     // Ulysses and ring: per-rank peak <= kPeakTarget x single rank
+};
+
+const Mode kModes[] = {
+    {"ulysses", kRanks, false, false, false, nullptr, true},
+    {"allgather-kv", 1, false, false, false, nullptr, false},
+    {"allgather-kv-lb", 1, false, true, false, nullptr, false},
+    {"hybrid", 2, false, false, false, nullptr, false},
+    {"ring", 1, true, false, false, nullptr, true},
+    {"ring-lb", 1, true, true, false, nullptr, true},
+    {"async-ulysses", kRanks, false, false, true, "ulysses", true},
+    {"async-allgather-kv", 1, false, false, true, "allgather-kv", false},
+};
+
+struct Size {
+  int64_t seq = 0, dim = 0, heads = 0;
+  std::string str() const { return fmt::format("S={} d={} heads={}", seq, dim, heads); }
+};
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+Timing timing_of(const std::vector<double>& per_step) {
+  Timing t;
+  t.median_s = median(per_step);
+  t.min_s = per_step.empty() ? 0 : *std::min_element(per_step.begin(), per_step.end());
+  t.reps = 1;
+  t.trials = static_cast<int>(per_step.size());
+  return t;
+}
+
+int64_t allocated_bytes() {
+  return memory_stats(Device::cpu()).allocated_bytes;
+}
+int64_t peak_allocated_bytes() {
+  return memory_stats(Device::cpu()).peak_allocated_bytes;
+}
+
+// One training step on this thread: forward, loss sum(out * w), backward,
+// then the gradients are dropped so that every step allocates the same.
+void train_step(nn::SelfAttention& layer, const Tensor& x, const Tensor& w) {
+  Tensor input = detach(x);
+  set_requires_grad(input);
+  Tensor out = layer(input);
+  backward(sum(mul(out, w)));
+  layer.zero_grad();
+  current_stream(Device::cpu()).synchronize();
+}
+
+// ---- the single-rank layer ----
+
+struct SingleRun {
+  double peak_bytes = 0;       // one step, layer and input included
+  std::vector<double> step_s;  // timed steps after the measured one
+};
+
+SingleRun run_single(const Size& size, const Tensor& x, const Tensor& w, int steps) {
+  SingleRun r;
+  const int64_t base = allocated_bytes();
+  {
+    Generator gen(1);
+    auto layer = std::make_shared<nn::SelfAttention>(size.dim, size.heads, size.heads, true, gen);
+    Tensor xs = ops::clone(x), ws = ops::clone(w);
+    reset_peak_memory(Device::cpu());
+    train_step(*layer, xs, ws);
+    r.peak_bytes = static_cast<double>(peak_allocated_bytes() - base);
+    for (int i = 0; i < steps; ++i) {
+      Clock::time_point start = Clock::now();
+      train_step(*layer, xs, ws);
+      r.step_s.push_back(seconds_since(start));
+    }
+  }
+  empty_cache(Device::cpu());
+  return r;
+}
+
+// ---- choosing S ----
+
+// Dense attention materialises (B, H, S, S) scores several times over, so the
+// issue's S = 8192 needs tens of GiB. Small single-rank probes measure peak
+// memory and step time; the largest S that fits both budgets is used.
+struct SeqChoice {
+  int64_t seq = 0;
+  std::vector<std::string> lines;
+  Json json;
+};
+
+// The quadratic through three points, evaluated at s (Lagrange form).
+double quadratic_at(const double (&xs)[3], const double (&ys)[3], double s) {
+  double y = 0;
+  for (int i = 0; i < 3; ++i) {
+    double l = 1;
+    for (int j = 0; j < 3; ++j) {
+      if (j != i) l *= (s - xs[j]) / (xs[i] - xs[j]);
+    }
+    y += ys[i] * l;
+  }
+  return y;
+}
+
+SeqChoice choose_seq(const Size& size, int steps_in_run) {
+  const double probe[3] = {256, 512, 1024};
+  double peak[3], time_s[3];
+  for (int i = 0; i < 3; ++i) {
+    Generator gen(11);
+    const auto s = static_cast<int64_t>(probe[i]);
+    Tensor x = ops::randn({kBatch, s, size.dim}, gen), w = ops::randn({kBatch, s, size.dim}, gen);
+    SingleRun r = run_single({s, size.dim, size.heads}, x, w, 1);
+    peak[i] = r.peak_bytes;
+    time_s[i] = r.step_s[0];
+  }
+  // Time: a S^2 + b S through the two largest probes (the smallest is noise).
+  const double s1 = probe[1], s2 = probe[2];
+  double a = std::max(0.0, (time_s[2] / s2 - time_s[1] / s1) / (s2 - s1));
+  double b = std::max(0.0, time_s[2] / s2 - a * s2);
+  SeqChoice c;
+  c.json = {{"memory_budget_gib", kMemoryBudgetBytes / (1 << 30)},
+            {"cache_margin", kCacheMargin},
+            {"run_budget_s", kRunBudgetS},
+            {"probes", Json::array()},
+            {"candidates", Json::array()}};
+  for (int i = 0; i < 3; ++i) {
+    c.json["probes"].push_back(
+        {{"seq", probe[i]}, {"peak_mib", peak[i] / kMiB}, {"step_ms", time_s[i] * 1e3}});
+  }
+  for (int64_t s : {kIssueSeq, kIssueSeq / 2, kIssueSeq / 4}) {
+    const double sd = static_cast<double>(s);
+    const double mem = quadratic_at(probe, peak, sd) * kCacheMargin;
+    const double run = (a * sd * sd + b * sd) * steps_in_run;
+    const bool fits = mem <= kMemoryBudgetBytes && run <= kRunBudgetS;
+    c.json["candidates"].push_back({{"seq", s},
+                                    {"projected_memory_gib", mem / (1 << 30)},
+                                    {"projected_run_s", run},
+                                    {"fits", fits}});
+    c.lines.push_back(fmt::format(
+        "  S={:<5} projected single-rank memory {:6.2f} GiB (budget {:.0f}), run {:6.0f} s "
+        "(budget {:.0f}): {}",
+        s, mem / (1 << 30), kMemoryBudgetBytes / (1 << 30), run, kRunBudgetS,
+        fits ? "fits" : "too big"));
+    if (fits && c.seq == 0) c.seq = s;
+  }
+  if (c.seq == 0) c.seq = kIssueSeq / 8;
+  return c;
+}
+
+// ---- the link ----
+
+struct LinkChoice {
+  LinkModel model;
+  double gemm_s = 0;     // one q-projection GEMM, 4 rank threads at once
+  double a2a_bytes = 0;  // per rank, one all-to-all of the q projection's output
+};
+
+// A barrier of the rank threads; a rank that fails drops out of it (so its
+// peers never wait for it) before its error reaches run_ranks.
+class Lockstep {
+ public:
+  explicit Lockstep(int ranks) : barrier_(ranks) {}
+  void sync() { barrier_.arrive_and_wait(); }
+  void guard(const std::function<void()>& body) {
+    try {
+      body();
+    } catch (...) {
+      barrier_.arrive_and_drop();
+      throw;
+    }
+  }
+
+ private:
+  std::barrier<> barrier_;
+};
+
+LinkChoice calibrate_link(const Size& size) {
+  constexpr int kWarmup = 2, kTrials = 9;
+  const int64_t local = (size.seq + kRanks - 1) / kRanks;
+  Generator gen(5);
+  Tensor x = ops::randn({kBatch, local, size.dim}, gen);
+  std::vector<double> times;
+  Lockstep lockstep(kRanks);
+  run_ranks(kRanks, [&](ProcessGroupPtr world) {
+    lockstep.guard([&] {
+      Generator g(1);
+      auto proj = std::make_shared<nn::Linear>(size.dim, size.dim, g, false);
+      NoGradGuard no_grad;
+      for (int i = 0; i < kWarmup + kTrials; ++i) {
+        lockstep.sync();
+        Clock::time_point start = Clock::now();
+        Tensor y = (*proj)(x);
+        current_stream(Device::cpu()).synchronize();
+        lockstep.sync();  // the slowest of the concurrent GEMMs
+        if (world->rank() == 0 && i >= kWarmup) times.push_back(seconds_since(start));
+      }
+    });
+  });
+  LinkChoice c;
+  c.gemm_s = median(times);
+  c.a2a_bytes = static_cast<double>(kRanks - 1) / kRanks * static_cast<double>(x.nbytes());
+  c.model = LinkModel{kLinkLatencyUs, c.a2a_bytes / c.gemm_s / 1e9, {}};
+  return c;
+}
+
+// ---- one CP mode ----
+
+struct ModeRun {
+  std::vector<double> step_s, compute_s;  // adjacent (link, ideal) pairs
+  std::vector<double> moved_bytes;        // per rank, one step
+  std::vector<double> link_s;             // per rank, one step
+  double process_peak_bytes = 0;
+  std::string error;
+
+  double step() const { return median(step_s); }
+  double compute() const { return median(compute_s); }
+  double exposed() const {
+    std::vector<double> d;
+    for (size_t i = 0; i < step_s.size(); ++i)
+      d.push_back(step_s[i] - compute_s[i]);
+    return median(d);
+  }
+  double max_moved() const { return *std::max_element(moved_bytes.begin(), moved_bytes.end()); }
+  double max_link() const { return *std::max_element(link_s.begin(), link_s.end()); }
+  double peak_per_rank() const { return process_peak_bytes / kRanks; }
+};
+
+// Bytes and durations the simulated links charged, per rank, from the trace
+// (lanes "link r<rank> <group>", Note [Simulated link timing]).
+void read_link_traffic(ModeRun& run) {
+  Json doc = Json::parse(trace_json());
+  std::map<std::pair<int, int>, int> lane_rank;
+  for (const Json& e : doc["traceEvents"]) {
+    if (e["ph"] != "M" || e["name"] != "thread_name") continue;
+    const std::string lane = e["args"]["name"];
+    if (lane.rfind("link r", 0) != 0) continue;
+    lane_rank[{e["pid"].get<int>(), e["tid"].get<int>()}] = std::stoi(lane.substr(6));
+  }
+  run.moved_bytes.assign(kRanks, 0.0);
+  run.link_s.assign(kRanks, 0.0);
+  for (const Json& e : doc["traceEvents"]) {
+    if (e["ph"] != "X" || e["cat"] != "link") continue;
+    const int rank = lane_rank.at({e["pid"].get<int>(), e["tid"].get<int>()});
+    run.moved_bytes[rank] += e["args"]["bytes"].get<double>();
+    fmt::print("DBG pid={} {} {} {}\n", e["pid"].dump(), e["name"].dump(), e["args"].dump(), e["dur"].dump());
+    run.link_s[rank] += e["dur"].get<double>() * 1e-6;
+  }
+}
+
+std::shared_ptr<nn::SelfAttention> make_layer(const Size& size, const Mode& mode,
+                                              const DeviceMesh& mesh) {
+  Generator gen(1);  // the same weights on every rank
+  auto layer = std::make_shared<nn::SelfAttention>(size.dim, size.heads, size.heads, true, gen);
+  ContextParallel config;
+  config.ulysses_degree = mode.ds;
+  config.load_balance = mode.load_balance;
+  config.mode = mode.ring ? CPMode::Ring : CPMode::Auto;
+  if (mode.async) {
+    AsyncContextParallel async;
+    async.config = config;
+    async.head_size = size.dim / size.heads;
+    async.apply(layer->core(), layer->q_proj(), layer->k_proj(), layer->v_proj(), mesh);
+  } else {
+    config.apply(layer->core(), mesh);
+  }
+  return layer;
+}
+
+ModeRun run_mode(const Size& size, const Mode& mode, const LinkModel& link, const Tensor& x,
+                 const Tensor& w, int pairs) {
+  ModeRun run;
+  const int64_t base = allocated_bytes();  // the global x and w
+  const LinkModel ideal{0.0, std::numeric_limits<double>::infinity(), {}};
+  Lockstep lockstep(kRanks);
+  try {
+    run_ranks(kRanks, [&](ProcessGroupPtr world) {
+      lockstep.guard([&] {
+        const int r = world->rank();
+        const bool leader = r == 0;
+        Tensor xl = shard_sequence(x, 1, kRanks, r, mode.load_balance);
+        Tensor wl = shard_sequence(w, 1, kRanks, r, mode.load_balance);
+        DeviceMesh on_link(simulate_link(world, link), {kRanks}, {"cp"});
+        auto layer = make_layer(size, mode, on_link);
+
+        // One traced step: peak memory and the link's bytes.
+        lockstep.sync();
+        if (leader) {
+          reset_peak_memory(Device::cpu());
+          trace_start();
+        }
+        lockstep.sync();
+        train_step(*layer, xl, wl);
+        lockstep.sync();
+        if (leader) {
+          run.process_peak_bytes = static_cast<double>(peak_allocated_bytes() - base);
+          trace_stop();
+          read_link_traffic(run);
+        }
+        lockstep.sync();
+
+        DeviceMesh on_ideal(simulate_link(world, ideal), {kRanks}, {"cp"});
+        auto compute_only = make_layer(size, mode, on_ideal);
+        auto timed = [&](nn::SelfAttention& l) {
+          lockstep.sync();
+          Clock::time_point start = Clock::now();
+          train_step(l, xl, wl);
+          lockstep.sync();
+          return seconds_since(start);
+        };
+        timed(*layer);
+        timed(*compute_only);
+        for (int i = 0; i < pairs; ++i) {
+          double s, c;
+          if (i % 2 == 0) {
+            s = timed(*layer);
+            c = timed(*compute_only);
+          } else {
+            c = timed(*compute_only);
+            s = timed(*layer);
+          }
+          if (leader) {
+            run.step_s.push_back(s);
+            run.compute_s.push_back(c);
+          }
+        }
+      });
+    });
+  } catch (const std::exception& e) {
+    run.error = e.what();
+    if (trace_enabled()) trace_stop();
+  }
+  empty_cache(Device::cpu());
+  return run;
+}
+
+// ---- the report ----
+
+struct Measured {
+  const Mode* mode;
+  ModeRun run;
+};
+
+const Measured* find_measured(const std::vector<Measured>& all, const std::string& name) {
+  for (const Measured& m : all) {
+    if (name == m.mode->name) return &m;
+  }
+  return nullptr;
+}
+
+void report_modes(Report& report, const std::vector<Measured>& all, const SingleRun& single) {
+  constexpr const char* kFormat =
+      "{:<19} {:>2} {:>9} {:>10} {:>10} {:>9} {:>7} {:>10} {:>10} {:>7} {:>7}  {}\n";
+  std::string text = fmt::format(
+      "\nper mode ({} ranks; bytes, link time and peak per rank per step; exposed = step - "
+      "compute; hidden = 1 - exposed / link; peak ratio vs the single-rank layer's {:.1f} MiB)\n",
+      kRanks, single.peak_bytes / kMiB);
+  text += fmt::format(kFormat, "mode", "ds", "step ms", "compute ms", "exposed ms", "link ms",
+                      "hidden", "moved MiB", "peak MiB", "/single", "target", "result");
+  Json rows = Json::array();
+  for (const Measured& m : all) {
+    const ModeRun& r = m.run;
+    if (!r.error.empty()) {
+      text += fmt::format("{:<19} {:>2}  ERROR: {}\n", m.mode->name, m.mode->ds, r.error);
+      rows.push_back({{"mode", m.mode->name}, {"status", "error"}, {"error", r.error}});
+      continue;
+    }
+    const double ratio = r.peak_per_rank() / single.peak_bytes;
+    const bool pass = ratio <= kPeakTarget;
+    const double hidden = r.max_link() > 0 ? 1.0 - r.exposed() / r.max_link() : 0.0;
+    text += fmt::format(
+        kFormat, m.mode->name, m.mode->ds, fmt::format("{:.1f}", r.step() * 1e3),
+        fmt::format("{:.1f}", r.compute() * 1e3), fmt::format("{:.1f}", r.exposed() * 1e3),
+        fmt::format("{:.1f}", r.max_link() * 1e3), fmt::format("{:.0f}%", 100 * hidden),
+        fmt::format("{:.2f}", r.max_moved() / kMiB),
+        fmt::format("{:.1f}", r.peak_per_rank() / kMiB), fmt::format("{:.3f}", ratio),
+        m.mode->peak_target ? fmt::format("<={:.2f}", kPeakTarget) : "-",
+        m.mode->peak_target ? (pass ? "PASS" : "FAIL") : "");
+    Json j = {{"mode", m.mode->name},
+              {"ulysses_degree", m.mode->ds},
+              {"ring", m.mode->ring},
+              {"load_balance", m.mode->load_balance},
+              {"async", m.mode->async},
+              {"step_ms", r.step() * 1e3},
+              {"compute_ms", r.compute() * 1e3},
+              {"exposed_comm_ms", r.exposed() * 1e3},
+              {"link_ms_per_rank", r.max_link() * 1e3},
+              {"hidden_fraction", hidden},
+              {"moved_bytes_per_rank", r.max_moved()},
+              {"moved_bytes_by_rank", r.moved_bytes},
+              {"peak_bytes_per_rank", r.peak_per_rank()},
+              {"process_peak_bytes", r.process_peak_bytes},
+              {"peak_ratio_vs_single", ratio},
+              {"step_ms_trials", Json::array()},
+              {"compute_ms_trials", Json::array()}};
+    for (double s : r.step_s)
+      j["step_ms_trials"].push_back(s * 1e3);
+    for (double s : r.compute_s)
+      j["compute_ms_trials"].push_back(s * 1e3);
+    if (m.mode->peak_target) {
+      j["peak_target_max"] = kPeakTarget;
+      j["peak_status"] = pass ? "pass" : "fail";
+    }
+    rows.push_back(std::move(j));
+  }
+  text.pop_back();
+  report.set("modes", std::move(rows), text);
+}
+
+void add_rows(Report& report, const std::vector<Measured>& all) {
+  for (const Measured& m : all) {
+    Row row;
+    row.group = "cp-step";
+    row.name = m.mode->name;
+    row.device = "cpu";
+    row.threads = kRanks;
+    row.baseline = "same mode, ideal link";
+    row.target = 0;  // informational: ratio = compute-only / step
+    row.error = m.run.error;
+    if (row.error.empty()) {
+      std::vector<double> ratios;
+      for (size_t i = 0; i < m.run.step_s.size(); ++i)
+        ratios.push_back(m.run.compute_s[i] / m.run.step_s[i]);
+      row.timing = {timing_of(m.run.step_s), timing_of(m.run.compute_s), median(ratios)};
+    }
+    report.add(std::move(row));
+  }
+  for (const Measured& m : all) {
+    if (!m.mode->async) continue;
+    const Measured* sync = find_measured(all, m.mode->sync_of);
+    Row row;
+    row.group = "cp-async";
+    row.name = fmt::format("{} exposed", m.mode->sync_of);
+    row.device = "cpu";
+    row.threads = kRanks;
+    row.baseline = fmt::format("{} (sync)", m.mode->sync_of);
+    row.target = 1.0 / kAsyncTarget;  // exposed sync / exposed async >= 2
+    if (!m.run.error.empty() || !sync->run.error.empty()) {
+      row.error = !m.run.error.empty() ? m.run.error : sync->run.error;
+    } else {
+      const double async_s = m.run.exposed(), sync_s = sync->run.exposed();
+      row.timing.tandem = timing_of({async_s});
+      row.timing.baseline = timing_of({sync_s});
+      if (sync_s <= 0) {
+        row.error =
+            fmt::format("sync exposed communication {:.1f} ms <= 0: nothing to hide", sync_s * 1e3);
+      } else {
+        // A fully hidden async side (exposed <= 0 within noise) counts as 1 us.
+        row.timing.ratio = sync_s / std::max(async_s, 1e-6);
+      }
+    }
+    report.add(std::move(row));
+  }
+}
+
+std::vector<const Mode*> selected_modes(const Options& options) {
+  std::vector<const Mode*> out;
+  auto wanted = [&](const Mode& m) {
+    if (std::string(m.name).find(options.filter) != std::string::npos) return true;
+    for (const Mode& a : kModes) {  // the sync side of a selected async mode
+      if (a.sync_of != nullptr && a.sync_of == std::string(m.name) &&
+          std::string(a.name).find(options.filter) != std::string::npos)
+        return true;
+    }
+    return false;
+  };
+  for (const Mode& m : kModes) {
+    if (wanted(m)) out.push_back(&m);
+  }
+  return out;
+}
+
+}  // namespace
+
+int run_cp(const Options& options) {
+  TimingConfig config = timing_config(options);
+  Report report("cp", options, config);
+  ops::set_num_threads(1);  // one BLAS thread per rank thread
+  const int pairs = options.quick ? 3 : 5;
+  const int single_steps = pairs;
+  std::vector<const Mode*> modes = selected_modes(options);
+
+  Size size{options.quick ? kQuickSeq : kIssueSeq, options.quick ? kQuickDim : kIssueDim,
+            kIssueHeads};
+  if (options.dim > 0) size.dim = options.dim;
+  if (options.heads > 0) size.heads = options.heads;
+  TANDEM_CHECK(size.dim % size.heads == 0 && size.heads % kRanks == 0,
+               "[bench::cp] expected heads dividing d and divisible by {} ranks, got d={} heads={}",
+               kRanks, size.dim, size.heads);
+  Json seq_json;
+  if (options.seq > 0) {
+    size.seq = options.seq;
+    seq_json = {{"source", "--seq"}};
+    report.note(fmt::format("S={} (from --seq)", size.seq));
+  } else if (options.quick) {
+    seq_json = {{"source", "--quick"}};
+    report.note(fmt::format("S={} d={} (--quick smoke run; the issue's layer is S={} d={})",
+                            size.seq, size.dim, kIssueSeq, kIssueDim));
+  } else {
+    const int steps = 1 + single_steps + static_cast<int>(modes.size()) * (3 + 2 * pairs);
+    SeqChoice choice = choose_seq(size, steps);
+    size.seq = choice.seq;
+    seq_json = {{"source", "largest S within budget"}, {"selection", choice.json}};
+    report.note(fmt::format(
+        "choosing S: the issue asks for S={}; dense attention holds (B, H, S, S) f32 scores "
+        "({:.0f} MiB each at S={}), so S is the largest that fits, projected from single-rank "
+        "probes at S=256/512/1024:",
+        kIssueSeq, static_cast<double>(kBatch * size.heads * kIssueSeq * kIssueSeq * 4) / kMiB,
+        kIssueSeq));
+    for (const std::string& line : choice.lines)
+      report.note(line);
+    report.note(fmt::format("using S={}{}", size.seq,
+                            size.seq == kIssueSeq ? "" : " (the issue's S=8192 does not fit)"));
+  }
+  TANDEM_CHECK(size.seq >= 2 * kRanks, "[bench::cp] expected S >= {}, got {}", 2 * kRanks,
+               size.seq);
+
+  LinkChoice link = calibrate_link(size);
+  report.set("setup",
+             {{"ranks", kRanks},
+              {"backend", "threads, wrapped by simulate_link"},
+              {"batch", kBatch},
+              {"seq", size.seq},
+              {"dim", size.dim},
+              {"heads", size.heads},
+              {"head_dim", size.dim / size.heads},
+              {"dtype", "f32"},
+              {"causal", true},
+              {"step", "forward + backward of SelfAttention (q/k/v/o projections + core)"},
+              {"seq_choice", seq_json},
+              {"pairs", pairs},
+              {"memory_method",
+               "per rank = (process peak allocated - allocated before) / ranks: the rank threads "
+               "share one allocator (Note [CP benchmark method])"}},
+             fmt::format("layer: B={} {} head_dim={} f32 causal, forward+backward of "
+                         "SelfAttention on {} rank threads; {} (link, ideal) step pairs per mode",
+                         kBatch, size.str(), size.dim / size.heads, kRanks, pairs));
+  report.set("link",
+             {{"latency_us", link.model.latency_us},
+              {"bandwidth_gbps", link.model.bandwidth_gbps},
+              {"q_projection_gemm_ms", link.gemm_s * 1e3},
+              {"q_all_to_all_bytes_per_rank", link.a2a_bytes}},
+             fmt::format("link: {:.1f} us + bytes / {:.3f} GB/s per direction, so one q all-to-all "
+                         "({:.2f} MiB per rank) takes {:.1f} ms = one q-projection GEMM "
+                         "({}x{} @ {}x{}, {} rank threads at once)",
+                         link.model.latency_us, link.model.bandwidth_gbps, link.a2a_bytes / kMiB,
+                         link.gemm_s * 1e3, kBatch * ((size.seq + kRanks - 1) / kRanks), size.dim,
+                         size.dim, size.dim, kRanks));
+
+  Generator gen(7);
+  Tensor x = ops::randn({kBatch, size.seq, size.dim}, gen);
+  Tensor w = ops::randn({kBatch, size.seq, size.dim}, gen);
+  SingleRun single = run_single(size, x, w, single_steps);
+  report.set("single_rank",
+             {{"peak_bytes", single.peak_bytes}, {"step_ms", median(single.step_s) * 1e3}},
+             fmt::format("single-rank layer (no CP, 1 thread): step {:.1f} ms, peak {:.1f} MiB",
+                         median(single.step_s) * 1e3, single.peak_bytes / kMiB));
+
+  std::vector<Measured> measured;
+  for (const Mode* mode : modes)
+    measured.push_back({mode, run_mode(size, *mode, link.model, x, w, pairs)});
+  add_rows(report, measured);
+  report_modes(report, measured, single);
+  return report.finish();
+}
+
+}  // namespace tandem::bench
