@@ -43,7 +43,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <string>
 
 #include "autograd/nn/moe.h"
 #include "parallel/device_mesh.h"

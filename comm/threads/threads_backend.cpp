@@ -256,8 +256,8 @@ struct SharedGroup {
   }
   bool exited(int group_rank) const { return !exit_reasons[group_rank].empty(); }
   [[noreturn]] void throw_exited(const std::string& who, int group_rank) {
-    throw CommAbortedError(fmt::format("[comm] {} failed: in group '{}', {}", who, name,
-                                       exit_reasons[group_rank]));
+    throw CommAbortedError(
+        fmt::format("[comm] {} failed: in group '{}', {}", who, name, exit_reasons[group_rank]));
   }
 };
 
@@ -272,7 +272,8 @@ class ThreadsWorld {
       g = std::make_shared<SharedGroup>(name, members);
       if (aborted_) g->abort(reason_);
       for (size_t i = 0; i < members.size(); ++i) {
-        if (exited_.count(members[i])) g->member_exited(static_cast<int>(i), exit_reason(members[i]));
+        if (exited_.count(members[i]))
+          g->member_exited(static_cast<int>(i), exit_reason(members[i]));
       }
     }
     return g;
@@ -295,7 +296,8 @@ class ThreadsWorld {
       aborted_ = true;
       reason_ = reason;
     }
-    for (auto& [key, g] : groups_) g->abort(reason);
+    for (auto& [key, g] : groups_)
+      g->abort(reason);
   }
   int size() const { return size_; }
 
@@ -308,9 +310,10 @@ class ThreadsWorld {
   std::set<int> exited_;
 
   static std::string exit_reason(int rank) {
-    return fmt::format("rank {} returned from its rank function and will not join further "
-                       "collectives of this group",
-                       rank);
+    return fmt::format(
+        "rank {} returned from its rank function and will not join further "
+        "collectives of this group",
+        rank);
   }
 };
 
@@ -364,8 +367,12 @@ class ThreadsProcessGroup final : public ProcessGroup {
     try {
       c.ready.synchronize();
       switch (c.kind) {
-        case CollectiveKind::BatchP2P: run_p2p(c); break;
-        default: run_collective(c); break;
+        case CollectiveKind::BatchP2P:
+          run_p2p(c);
+          break;
+        default:
+          run_collective(c);
+          break;
       }
       c.work->finish();
     } catch (...) {
@@ -380,7 +387,8 @@ class ThreadsProcessGroup final : public ProcessGroup {
       c.work->finish(std::current_exception());
     }
     if (trace_enabled()) {
-      trace_complete("comm", fmt::format("{} #{}", name, c.entry.seq), start, trace_now_us() - start,
+      trace_complete("comm", fmt::format("{} #{}", name, c.entry.seq), start,
+                     trace_now_us() - start,
                      fmt::format("\"seq\":{},\"group\":\"{}\"", c.entry.seq, options().name),
                      fmt::format("comm r{} {}", rank(), options().name));
     }
@@ -553,7 +561,8 @@ class ThreadsProcessGroup final : public ProcessGroup {
     SharedGroup& g = *shared_;
     auto bytes_of = [](const Tensor& t) { return t.nbytes(); };
     switch (c.kind) {
-      case CollectiveKind::Barrier: return;
+      case CollectiveKind::Barrier:
+        return;
       case CollectiveKind::AllReduce: {
         std::vector<const void*> inputs(static_cast<size_t>(g.size));
         for (int r = 0; r < g.size; ++r)
@@ -585,10 +594,10 @@ class ThreadsProcessGroup final : public ProcessGroup {
       }
       case CollectiveKind::AllToAll: {
         const int64_t row_bytes =
-            c.input.shape()[0] > 0 ? static_cast<int64_t>(bytes_of(c.input)) / c.input.shape()[0]
-                                   : static_cast<int64_t>(c.output.shape()[0] > 0
-                                                              ? bytes_of(c.output) / c.output.shape()[0]
-                                                              : 0);
+            c.input.shape()[0] > 0
+                ? static_cast<int64_t>(bytes_of(c.input)) / c.input.shape()[0]
+                : static_cast<int64_t>(
+                      c.output.shape()[0] > 0 ? bytes_of(c.output) / c.output.shape()[0] : 0);
         std::vector<int64_t> out_row(static_cast<size_t>(g.size) + 1, 0);  // prefix sums
         for (int r = 0; r < g.size; ++r) {
           const Slot& peer = g.slots[r];
@@ -670,10 +679,9 @@ class ThreadsProcessGroup final : public ProcessGroup {
           std::lock_guard<std::mutex> relock(g.mu);  // no lost wake-up of the sender
           g.cv.notify_all();
         }
-        TANDEM_FAIL(
-            "[comm::recv] {}: rank {} sent {} {} but rank {} expected {} {} (tag {})", where(),
-            op.peer, dtype_name(m.data.dtype()), m.data.shape(), rank(), dtype_name(out.dtype()),
-            out.shape(), op.tag_id);
+        TANDEM_FAIL("[comm::recv] {}: rank {} sent {} {} but rank {} expected {} {} (tag {})",
+                    where(), op.peer, dtype_name(m.data.dtype()), m.data.shape(), rank(),
+                    dtype_name(out.dtype()), out.shape(), op.tag_id);
       }
       std::memcpy(out.raw_data(), m.data.raw_data(), out.nbytes());
       m.consumed->store(true);
@@ -713,7 +721,8 @@ void run_ranks(int world_size, const std::function<void(ProcessGroupPtr)>& fn,
   TANDEM_CHECK(world_size >= 1, "[comm::run_ranks] expected world_size >= 1, got {}", world_size);
   auto world = std::make_shared<ThreadsWorld>(world_size);
   std::vector<int> ranks(static_cast<size_t>(world_size));
-  for (int r = 0; r < world_size; ++r) ranks[r] = r;
+  for (int r = 0; r < world_size; ++r)
+    ranks[r] = r;
   std::mutex mu;
   std::exception_ptr first, first_root_cause;
   std::vector<std::thread> threads;
@@ -737,7 +746,8 @@ void run_ranks(int world_size, const std::function<void(ProcessGroupPtr)>& fn,
       }
     });
   }
-  for (auto& t : threads) t.join();
+  for (auto& t : threads)
+    t.join();
   if (first_root_cause) std::rethrow_exception(first_root_cause);
   if (first) std::rethrow_exception(first);
 }

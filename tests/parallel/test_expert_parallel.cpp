@@ -7,8 +7,10 @@
 // rank's batch (its tokens came from all of them).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "autograd/function.h"
