@@ -94,6 +94,12 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // new group (ranks renumbered in the given order); others get nullptr.
   std::shared_ptr<ProcessGroup> split(const std::vector<int>& ranks, const std::string& name = "");
 
+  // Fails this group's pending and future collectives on every member with an
+  // error naming this rank and `reason` (threads backend: at once; MPI/NCCL:
+  // this rank's side only, peers then fail by their watchdog). For a rank
+  // that gives up mid-step, so its peers fail promptly instead of timing out.
+  virtual void abort(const std::string& reason) { (void)reason; }
+
  protected:
   virtual void launch(Collective& c) = 0;
   virtual std::shared_ptr<ProcessGroup> make_subgroup(const std::vector<int>& ranks,

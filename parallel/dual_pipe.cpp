@@ -176,7 +176,12 @@ DualPipeResult DualPipeSchedule::run(int n, const std::function<Tensor(int)>& fo
       coordinator_->depart(HookInfo{"end of backward", -1, true, i});
     };
   };
-  auto on_failure = [this] { coordinator_->disable(); };
+  auto on_failure = [this] {
+    coordinator_->disable();
+    for (const ProcessGroupPtr& g : abort_groups_) {
+      g->abort("a side of its dual-pipe schedule failed (that rank's error has the cause)");
+    }
+  };
   // F1 alone, [B(i-1) ‖ F(i)], Bn alone; the coordinator is only enabled for pairs.
   coordinator_->disable();
   pair_.run(fwd(0), {}, on_failure);

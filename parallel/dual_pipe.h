@@ -75,8 +75,14 @@ class DualPipeSchedule {
   DualPipeResult run(int micro_batches, const std::function<Tensor(int)>& forward, bool overlap,
                      int moe_layers = 0);
 
+  // Groups aborted (ProcessGroup::abort) when either side fails, so that the
+  // other ranks stop at once with an error naming this rank instead of
+  // running on with a schedule that can no longer match theirs.
+  void abort_on_failure(std::vector<ProcessGroupPtr> groups) { abort_groups_ = std::move(groups); }
+
  private:
   std::shared_ptr<HookCoordinator> coordinator_;
+  std::vector<ProcessGroupPtr> abort_groups_;
   WorkerPair pair_;
 };
 

@@ -333,6 +333,10 @@ class ThreadsProcessGroup final : public ProcessGroup {
 
   std::string backend_name() const override { return "threads"; }
 
+  void abort(const std::string& reason) override {
+    shared_->abort(fmt::format("rank {} aborted the group: {}", rank(), reason));
+  }
+
  protected:
   void launch(Collective& c) override {
     // The task holds `this`, not a shared_ptr: the destructor drains the queue
