@@ -191,6 +191,13 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   TANDEM_CHECK(a.dim() >= 1 && b.dim() >= 1,
                "[tensor::matmul] expected operands of rank >= 1, got {} and {}", a.shape(),
                b.shape());
+  // (…, M, K) @ (K, N): fold the leading dims into M, one GEMM instead of a
+  // batch over a broadcast weight, and a weight gradient without a sum_to.
+  if (a.dim() > 2 && b.dim() == 2 && a.is_contiguous()) {
+    Shape out_shape = a.shape();
+    out_shape[out_shape.size() - 1] = b.shape()[1];
+    return reshape(matmul_2d(reshape(a, Shape{-1, a.shape()[a.dim() - 1]}), b), out_shape);
+  }
   if (a.dim() >= 2 && b.dim() >= 2) return matmul_2d(a, b);
   Tensor a2 = a.dim() == 1 ? unsqueeze(a, 0) : a;
   Tensor b2 = b.dim() == 1 ? unsqueeze(b, 1) : b;

@@ -4,6 +4,7 @@
 // case prints "SKIP: ..." and passes. Results are compared with values
 // computed on the CPU.
 #include <catch2/catch.hpp>
+#include <iostream>
 
 #include <cmath>
 #include <cstdio>
@@ -23,11 +24,11 @@ using test::values_of;
 // Prints the reason and returns true when this machine cannot run NCCL.
 bool skip_without_gpu() {
   if (!nccl_built()) {
-    std::printf("SKIP: built without NCCL\n");
+    std::cout << "SKIP: built without NCCL" << std::endl;
     return true;
   }
   if (!cuda_available()) {
-    std::printf("SKIP: no CUDA device\n");
+    std::cout << "SKIP: no CUDA device" << std::endl;
     return true;
   }
   return false;

@@ -32,6 +32,10 @@ struct Options {
   std::string filter;  // run only rows whose "group name" contains this
   // `cp` only: the attention layer's size; 0 = the subcommand's default.
   int64_t seq = 0, dim = 0, heads = 0;
+  // `overlap` only: ep rank threads and micro-batches (0 = the default), and
+  // where to write the Chrome trace of one overlapped step (empty: nowhere).
+  int ranks = 0, micro_batches = 0;
+  std::string trace;
 };
 
 struct TimingConfig {
@@ -113,5 +117,6 @@ int run_autograd(const Options& options);  // bench_autograd.cpp
 int run_comm(const Options& options);      // bench_comm.cpp
 int run_dtensor(const Options& options);   // bench_dtensor.cpp
 int run_cp(const Options& options);        // bench_cp.cpp
+int run_overlap(const Options& options);   // bench_overlap.cpp
 
 }  // namespace tandem::bench

@@ -21,7 +21,9 @@
 // threads, so adjacent steps see the same machine (Note [Benchmark timing]).
 // step = median link step; compute = median ideal step; exposed
 // communication = median over pairs of (link step - ideal step), the time the
-// link adds beyond compute alone.
+// link adds beyond compute alone. An async mode runs on the same rank threads
+// as its sync counterpart, their pairs taking turns, so that the two exposed
+// times being compared see the same machine load.
 //
 // Bytes and link time come from the simulated link itself: the bytes and
 // durations it charges (its trace events) during one traced step, summed per
@@ -31,12 +33,13 @@
 //
 // Peak memory. The single-rank layer runs alone on this thread: peak
 // allocated bytes of one step minus what was allocated before its layer and
-// input existed. The CP run: the same over the whole process, divided by the
-// 4 ranks. The rank threads share the process-wide CPU allocator, so a rank's
-// own peak cannot be read; process peak / 4 is the mean per-rank footprint
-// at the moment of the highest total. Ranks running the same program in step
-// peak together, so this is close to the per-rank peak, but it understates a
-// rank whose peak falls while the others are low.
+// input existed. The CP run: the same over the whole process (before: before
+// the mode's layers and shards existed), divided by the 4 ranks. The rank
+// threads share the process-wide CPU allocator, so a rank's own peak cannot
+// be read; process peak / 4 is the mean per-rank footprint at the moment of
+// the highest total. Ranks running the same program in step peak together,
+// so this is close to the per-rank peak, but it understates a rank whose
+// peak falls while the others are low.
 #include <algorithm>
 #include <barrier>
 #include <chrono>
@@ -361,71 +364,98 @@ std::shared_ptr<nn::SelfAttention> make_layer(const Size& size, const Mode& mode
   return layer;
 }
 
-ModeRun run_mode(const Size& size, const Mode& mode, const LinkModel& link, const Tensor& x,
-                 const Tensor& w, int pairs) {
-  ModeRun run;
-  const int64_t base = allocated_bytes();  // the global x and w
+// One mode's layer on one link, with this rank's shards of the input.
+struct LayerCopy {
+  DeviceMesh mesh;
+  std::shared_ptr<nn::SelfAttention> layer;
+  Tensor x, w;
+};
+
+LayerCopy make_copy(const Size& size, const Mode& mode, ProcessGroupPtr group, const Tensor& x,
+                    const Tensor& w) {
+  LayerCopy c;
+  const int r = group->rank();
+  c.mesh = DeviceMesh(std::move(group), {kRanks}, {"cp"});
+  c.layer = make_layer(size, mode, c.mesh);
+  c.x = shard_sequence(x, 1, kRanks, r, mode.load_balance);
+  c.w = shard_sequence(w, 1, kRanks, r, mode.load_balance);
+  return c;
+}
+
+// Runs `modes` together on one set of rank threads (an async mode with its
+// sync counterpart, so that both see the same machine load): for each mode a
+// traced step on the link (peak memory, bytes), then `pairs` rounds in which
+// every mode runs an adjacent (link, ideal) pair of steps.
+std::vector<ModeRun> run_group(const Size& size, const std::vector<const Mode*>& modes,
+                               const LinkModel& link, const Tensor& x, const Tensor& w, int pairs) {
+  const size_t n = modes.size();
+  std::vector<ModeRun> runs(n);
   const LinkModel ideal{0.0, std::numeric_limits<double>::infinity(), {}};
   Lockstep lockstep(kRanks);
   try {
     run_ranks(kRanks, [&](ProcessGroupPtr world) {
       lockstep.guard([&] {
-        const int r = world->rank();
-        const bool leader = r == 0;
-        Tensor xl = shard_sequence(x, 1, kRanks, r, mode.load_balance);
-        Tensor wl = shard_sequence(w, 1, kRanks, r, mode.load_balance);
-        DeviceMesh on_link(simulate_link(world, link), {kRanks}, {"cp"});
-        auto layer = make_layer(size, mode, on_link);
-
-        // One traced step: peak memory and the link's bytes.
-        lockstep.sync();
-        if (leader) {
-          reset_peak_memory(Device::cpu());
-          trace_start();
+        const bool leader = world->rank() == 0;
+        std::vector<LayerCopy> on_link, on_ideal;
+        for (size_t m = 0; m < n; ++m) {
+          // Base: what exists before this mode's layer and shards (the global
+          // input, the copies of modes traced before).
+          int64_t base = 0;
+          lockstep.sync();
+          if (leader) base = allocated_bytes();
+          lockstep.sync();
+          on_link.push_back(make_copy(size, *modes[m], simulate_link(world, link), x, w));
+          lockstep.sync();
+          if (leader) {
+            reset_peak_memory(Device::cpu());
+            trace_start();
+          }
+          lockstep.sync();
+          train_step(*on_link[m].layer, on_link[m].x, on_link[m].w);
+          lockstep.sync();
+          if (leader) {
+            runs[m].process_peak_bytes = static_cast<double>(peak_allocated_bytes() - base);
+            trace_stop();
+            read_link_traffic(runs[m]);
+          }
+          lockstep.sync();
         }
-        lockstep.sync();
-        train_step(*layer, xl, wl);
-        lockstep.sync();
-        if (leader) {
-          run.process_peak_bytes = static_cast<double>(peak_allocated_bytes() - base);
-          trace_stop();
-          read_link_traffic(run);
-        }
-        lockstep.sync();
-
-        DeviceMesh on_ideal(simulate_link(world, ideal), {kRanks}, {"cp"});
-        auto compute_only = make_layer(size, mode, on_ideal);
-        auto timed = [&](nn::SelfAttention& l) {
+        for (size_t m = 0; m < n; ++m)
+          on_ideal.push_back(make_copy(size, *modes[m], simulate_link(world, ideal), x, w));
+        auto timed = [&](const LayerCopy& c) {
           lockstep.sync();
           Clock::time_point start = Clock::now();
-          train_step(l, xl, wl);
+          train_step(*c.layer, c.x, c.w);
           lockstep.sync();
           return seconds_since(start);
         };
-        // No warm-up: the traced step filled the allocator's cache with the
-        // sizes both copies use.
+        // No warm-up: the traced steps filled the allocator's cache with the
+        // sizes every copy uses.
         for (int i = 0; i < pairs; ++i) {
-          double s, c;
-          if (i % 2 == 0) {
-            s = timed(*layer);
-            c = timed(*compute_only);
-          } else {
-            c = timed(*compute_only);
-            s = timed(*layer);
-          }
-          if (leader) {
-            run.step_s.push_back(s);
-            run.compute_s.push_back(c);
+          for (size_t m = 0; m < n; ++m) {
+            double step, compute;
+            if (i % 2 == 0) {
+              step = timed(on_link[m]);
+              compute = timed(on_ideal[m]);
+            } else {
+              compute = timed(on_ideal[m]);
+              step = timed(on_link[m]);
+            }
+            if (leader) {
+              runs[m].step_s.push_back(step);
+              runs[m].compute_s.push_back(compute);
+            }
           }
         }
       });
     });
   } catch (const std::exception& e) {
-    run.error = e.what();
+    for (ModeRun& run : runs)
+      run.error = e.what();
     if (trace_enabled()) trace_stop();
   }
   empty_cache(Device::cpu());
-  return run;
+  return runs;
 }
 
 // ---- the report ----
@@ -522,6 +552,7 @@ void add_rows(Report& report, const std::vector<Measured>& all) {
   for (const Measured& m : all) {
     if (!m.mode->async) continue;
     const Measured* sync = find_measured(all, m.mode->sync_of);
+    if (sync == nullptr) continue;  // selected_modes() always adds it
     Row row;
     row.group = "cp-async";
     row.name = fmt::format("{} exposed", m.mode->sync_of);
@@ -560,13 +591,28 @@ std::vector<const Mode*> selected_modes(const Options& options) {
   return out;
 }
 
+// Modes measured together: each async mode with its sync counterpart; the
+// others alone. In kModes order of each group's first mode.
+std::vector<std::vector<const Mode*>> mode_groups(const std::vector<const Mode*>& modes) {
+  std::vector<std::vector<const Mode*>> groups;
+  for (const Mode* m : modes) {
+    if (m->async) continue;  // joins its sync counterpart below
+    std::vector<const Mode*> g = {m};
+    for (const Mode* a : modes) {
+      if (a->async && a->sync_of == std::string(m->name)) g.push_back(a);
+    }
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
 }  // namespace
 
 int run_cp(const Options& options) {
   TimingConfig config = timing_config(options);
   Report report("cp", options, config);
   ops::set_num_threads(1);  // one BLAS thread per rank thread
-  const int pairs = options.quick ? 3 : 5;
+  const int pairs = options.quick ? 3 : 7;
   std::vector<const Mode*> modes = selected_modes(options);
   // Not the interleaved timer of Note [Benchmark timing]: whole steps in
   // adjacent pairs (Note [CP benchmark method]).
@@ -663,8 +709,11 @@ int run_cp(const Options& options) {
                          median(single.step_s) * 1e3, single.peak_bytes / kMiB));
 
   std::vector<Measured> measured;
-  for (const Mode* mode : modes)
-    measured.push_back({mode, run_mode(size, *mode, link.model, x, w, pairs)});
+  for (const std::vector<const Mode*>& group : mode_groups(modes)) {
+    std::vector<ModeRun> runs = run_group(size, group, link.model, x, w, pairs);
+    for (size_t i = 0; i < group.size(); ++i)
+      measured.push_back({group[i], std::move(runs[i])});
+  }
   add_rows(report, measured);
   report_modes(report, measured, single);
   return report.finish();

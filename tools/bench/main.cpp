@@ -34,7 +34,15 @@ int main(int argc, char** argv) {
   cp->add_option("--seq", options.seq, "sequence length S (default: the largest that fits)");
   cp->add_option("--dim", options.dim, "model dimension d (default 1024, 256 with --quick)");
   cp->add_option("--heads", options.heads, "attention heads (default 16)");
-  for (CLI::App* sub : {autograd, comm, dtensor, cp}) {
+  CLI::App* overlap = app.add_subcommand(
+      "overlap", "dual-pipe overlap of MoE all-to-alls on a simulated link: overlapped step vs "
+                 "sequential and vs the ideal");
+  overlap->add_option("--ranks", options.ranks, "expert-parallel rank threads (default 2)");
+  overlap->add_option("--micro-batches", options.micro_batches,
+                      "micro-batches per step (default 6, 4 with --quick)");
+  overlap->add_option("--trace", options.trace,
+                      "write the Chrome trace of one overlapped step to this file");
+  for (CLI::App* sub : {autograd, comm, dtensor, cp, overlap}) {
     sub->add_flag("--json", options.json, "print one JSON object instead of the table");
     sub->add_flag("--quick", options.quick, "fewer, shorter trials (a smoke run)");
     sub->add_option("--filter", options.filter, "run only the rows whose name contains this text");
@@ -48,6 +56,7 @@ int main(int argc, char** argv) {
     if (*comm) return tandem::bench::run_comm(options);
     if (*dtensor) return tandem::bench::run_dtensor(options);
     if (*cp) return tandem::bench::run_cp(options);
+    if (*overlap) return tandem::bench::run_overlap(options);
   } catch (const std::exception& e) {
     fmt::print(stderr, "tandem-bench: error: {}\n", e.what());
     return 1;

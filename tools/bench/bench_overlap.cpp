@@ -1,0 +1,756 @@
+// `tandem-bench overlap`: the dual-pipe schedule (DESIGN §8) on a simulated
+// link (Note [Simulated link timing]). A TransformerLM whose every MLP is an
+// MoE runs expert-parallel on `ep` rank threads (install_dual_pipe), and one
+// training step of n micro-batches is timed with the sequential schedule
+// (F1 B1 F2 B2 …) and with the overlapped one (F1 [B1 ‖ F2] … Bn), against
+// the ideal step that hides every collective that can be hidden.
+//
+// Note [Overlap benchmark method]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Calibration. A copy of the model on a link of zero latency and infinite
+// bandwidth (the data still moves, the link costs nothing) runs sequential
+// steps: their time per micro-batch is the compute per micro-batch. One of
+// those steps is traced, and the bytes the link charges for each collective
+// (its trace events) are the traffic of each micro-batch, forward and
+// backward, the larger of the ranks' for each collective. The bandwidth is
+// then chosen so that all the collectives of one micro-batch together take as
+// long as its compute: the regime the issue asks about, in which an ideal
+// overlap would hide almost all communication.
+//
+// Time. The model is built twice on the same rank threads with the same
+// weights: on the calibrated link and on the free link. Each trial runs four
+// steps, each between two barriers of the rank threads — sequential and
+// overlapped on the link, sequential and overlapped on the free link — in an
+// order that rotates from trial to trial (Note [Benchmark timing]). Step times
+// are rank 0's. "comm" is the sum of the simulated transfer times of one step
+// (the link model applied to the calibrated traffic): what a step loses when
+// nothing is hidden.
+//
+// The ideal. Within one micro-batch nothing can be hidden: an MoE layer's
+// experts need the dispatched tokens and the next layer needs the combined
+// ones, so each collective sits between two pieces of its own micro-batch's
+// compute. Only the other micro-batch of a pair has compute to offer. Hence
+//   ideal = [F1 compute + F1 comm]
+//         + Σ over pairs i = 1 … n-1 of max(pair compute, B(i) comm + F(i+1) comm)
+//         + [Bn compute + Bn comm]
+// where the compute of each phase is measured in the overlapped step on the
+// free link (its F1, pairs and Bn, split by timestamps taken as each forward
+// and each backward begins), in the same trial. So even a perfect overlap
+// leaves F1's and Bn's communication, about 1/n of the total, exposed; the
+// issue's target is overlapped <= ideal + 0.2 × comm. hidden = (sequential -
+// overlapped) / comm, and exposed = overlapped - compute-only overlapped.
+//
+// The trace. One more overlapped step on the link is traced (and written with
+// --trace FILE). It must hold, for every rank, rendezvous events of the
+// coordinator and collective issue events from both the forward and the
+// backward worker. From it the table reports, per side, the collectives' link
+// time and how long each waited for the link after its issue, behind a
+// collective of the other side (the link serialises the collectives of one
+// group, and both sides use the same group).
+#include <algorithm>
+#include <array>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "autograd/engine.h"
+#include "autograd/nn/transformer.h"
+#include "autograd/ops.h"
+#include "comm/sim_link.h"
+#include "comm/threads/threads_backend.h"
+#include "parallel/dual_pipe.h"
+#include "runtime/error.h"
+#include "runtime/trace.h"
+#include "tensor/ops.h"
+#include "tools/bench/bench.h"
+
+namespace tandem::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::ordered_json;
+
+constexpr double kLinkLatencyUs = 2.0;     // NVLink-like; negligible against the compute
+constexpr double kExposedAllowance = 0.2;  // target: overlapped <= ideal + 0.2 × comm
+constexpr double kAuxWeight = 0.01;
+
+struct Setup {
+  nn::TransformerLMConfig model;
+  int64_t batch = 0, seq = 0;
+  int ranks = 0, micro_batches = 0;
+  int trials = 0, calibration_steps = 0;
+};
+
+Setup make_setup(const Options& options) {
+  Setup s;
+  nn::TransformerLMConfig& m = s.model;
+  m.vocab = options.quick ? 128 : 256;
+  m.d_model = options.quick ? 128 : 256;
+  m.layers = 2;
+  m.heads = 4;
+  m.hidden = options.quick ? 256 : 512;
+  m.experts = 4;
+  m.top_k = 2;
+  s.batch = 4;
+  s.seq = options.quick ? 64 : 128;
+  m.max_seq = s.seq;
+  s.ranks = options.ranks > 0 ? options.ranks : 2;
+  s.micro_batches = options.micro_batches > 0 ? options.micro_batches : (options.quick ? 4 : 6);
+  s.trials = options.quick ? 3 : 7;
+  s.calibration_steps = options.quick ? 2 : 3;
+  TANDEM_CHECK(s.ranks >= 2 && m.experts % s.ranks == 0,
+               "[bench::overlap] expected --ranks >= 2 dividing the {} experts, got {}", m.experts,
+               s.ranks);
+  TANDEM_CHECK(s.micro_batches >= 2,
+               "[bench::overlap] expected at least 2 micro-batches (one pair), got {}",
+               s.micro_batches);
+  return s;
+}
+
+double seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+Timing timing_of(const std::vector<double>& per_step) {
+  Timing t;
+  t.median_s = median(per_step);
+  t.min_s = per_step.empty() ? 0 : *std::min_element(per_step.begin(), per_step.end());
+  t.reps = 1;
+  t.trials = static_cast<int>(per_step.size());
+  return t;
+}
+
+// A barrier of the rank threads; a rank that fails drops out of it (so its
+// peers never wait for it) before its error reaches run_ranks.
+class Lockstep {
+ public:
+  explicit Lockstep(int ranks) : barrier_(ranks) {}
+  void sync() { barrier_.arrive_and_wait(); }
+  void guard(const std::function<void()>& body) {
+    try {
+      body();
+    } catch (...) {
+      barrier_.arrive_and_drop();
+      throw;
+    }
+  }
+
+ private:
+  std::barrier<> barrier_;
+};
+
+// When one step began and ended, and when each micro-batch's forward and
+// backward began (on whichever thread ran them).
+struct StepMarks {
+  Clock::time_point start, end;
+  std::vector<Clock::time_point> forward, backward;
+  std::vector<double> losses;
+
+  double total() const { return seconds(end - start); }
+};
+
+// The compute phases of an overlapped step: F1 alone, the pairs
+// [B(i) ‖ F(i+1)], Bn alone (Note [Overlap benchmark method]).
+struct Phases {
+  double first_forward = 0;
+  std::vector<double> pairs;
+  double last_backward = 0;
+};
+
+Phases phases_of(const StepMarks& m) {
+  const size_t n = m.forward.size();
+  Phases p;
+  p.first_forward = seconds(m.forward[1] - m.start);
+  for (size_t i = 1; i < n; ++i) {
+    const Clock::time_point end = i + 1 < n ? m.forward[i + 1] : m.backward[n - 1];
+    p.pairs.push_back(seconds(end - m.forward[i]));
+  }
+  p.last_backward = seconds(m.end - m.backward[n - 1]);
+  return p;
+}
+
+// One rank's copy of the model, expert-parallel over `world` behind a
+// simulated link, with its coordinator and schedule.
+class RankModel {
+ public:
+  RankModel(const Setup& setup, const ProcessGroupPtr& world, const LinkModel& link)
+      : setup_(setup),
+        mesh_(simulate_link(world, link), {world->size()}, {"ep"}),
+        coordinator_(std::make_shared<HookCoordinator>()),
+        schedule_(coordinator_) {
+    Generator init(3);  // the same weights on every rank and in every copy
+    model_ = std::make_shared<nn::TransformerLM>(setup.model, init);
+    moe_layers_ = install_dual_pipe(model_, mesh_, coordinator_);
+    schedule_.abort_on_failure({mesh_.get_group()});
+    for (int i = 0; i < setup.micro_batches; ++i) {
+      Generator g(1000 + 31 * world->rank() + i);
+      Tensor t = ops::to(ops::mul(ops::rand({setup.batch, setup.seq + 1}, g),
+                                  static_cast<double>(setup.model.vocab)),
+                         DType::I64);
+      batches_.emplace_back(ops::contiguous(ops::narrow(t, 1, 0, setup.seq)),
+                            ops::contiguous(ops::narrow(t, 1, 1, setup.seq)));
+    }
+  }
+
+  int moe_layers() const { return moe_layers_; }
+
+  // One training step of n micro-batches; the gradients are dropped after it
+  // so that every step does the same work.
+  StepMarks step(bool overlap) {
+    const int n = setup_.micro_batches;
+    StepMarks m;
+    m.forward.resize(static_cast<size_t>(n));
+    m.backward.resize(static_cast<size_t>(n));
+    auto forward = [&](int i) {
+      m.forward[i] = Clock::now();
+      const auto& [x, y] = batches_[static_cast<size_t>(i)];
+      std::vector<Tensor> out = model_->call(Args{x});
+      Tensor loss = add(nn::lm_loss(out[0], y), mul(out[1], kAuxWeight));
+      loss = div(loss, static_cast<double>(n));
+      // Fires as this micro-batch's backward begins, on the thread running it.
+      register_hook(loss, [&m, i](const Tensor& g) {
+        m.backward[i] = Clock::now();
+        return g;
+      });
+      return loss;
+    };
+    m.start = Clock::now();
+    m.losses = schedule_.run(n, forward, overlap, moe_layers_).losses;
+    m.end = Clock::now();
+    model_->zero_grad();
+    return m;
+  }
+
+ private:
+  Setup setup_;
+  DeviceMesh mesh_;
+  std::shared_ptr<HookCoordinator> coordinator_;
+  std::shared_ptr<nn::TransformerLM> model_;
+  int moe_layers_ = 0;
+  DualPipeSchedule schedule_;
+  std::vector<std::pair<Tensor, Tensor>> batches_;
+};
+
+// ---- traffic ----
+
+// Bytes of each collective of one step, per micro-batch and direction, the
+// larger of the ranks' for each collective (the slower rank sets the pace).
+struct Traffic {
+  // [micro-batch][0 = forward, 1 = backward] → bytes of each collective.
+  std::vector<std::array<std::vector<double>, 2>> bytes;
+
+  double seconds_of(const LinkModel& link, size_t i, int direction) const {
+    double us = 0;
+    for (double b : bytes[i][direction])
+      us += link.transfer_us(CollectiveKind::AllToAll, b);
+    return us * 1e-6;
+  }
+  double forward_s(const LinkModel& link, size_t i) const { return seconds_of(link, i, 0); }
+  double backward_s(const LinkModel& link, size_t i) const { return seconds_of(link, i, 1); }
+  double step_s(const LinkModel& link) const {
+    double s = 0;
+    for (size_t i = 0; i < bytes.size(); ++i)
+      s += forward_s(link, i) + backward_s(link, i);
+    return s;
+  }
+  double bytes_per_micro_batch() const {
+    double total = 0;
+    for (const auto& mb : bytes) {
+      for (const auto& dir : mb) {
+        for (double b : dir)
+          total += b;
+      }
+    }
+    return total / static_cast<double>(bytes.size());
+  }
+  size_t collectives_per_micro_batch() const { return bytes[0][0].size() + bytes[0][1].size(); }
+};
+
+// The link events of one sequential step (Note [Simulated link timing]). In
+// launch order, each micro-batch's forward issues per MoE layer the counts,
+// dispatch and combine all-to-alls, and its backward the reverse combine and
+// dispatch ones: 3L then 2L collectives.
+Traffic read_traffic(const Json& doc, const Setup& setup, int moe_layers) {
+  const size_t per_forward = 3 * static_cast<size_t>(moe_layers);
+  const size_t per_micro_batch = 5 * static_cast<size_t>(moe_layers);
+  std::map<int, std::vector<std::pair<int64_t, double>>> by_rank;  // rank → (seq, bytes)
+  for (const Json& e : doc["traceEvents"]) {
+    if (e["ph"] != "X" || e["cat"] != "link") continue;
+    by_rank[e["pid"].get<int>()].emplace_back(e["args"]["seq"].get<int64_t>(),
+                                              e["args"]["bytes"].get<double>());
+  }
+  TANDEM_CHECK(static_cast<int>(by_rank.size()) == setup.ranks,
+               "[bench::overlap] expected link events from {} ranks, got {}", setup.ranks,
+               by_rank.size());
+  Traffic t;
+  t.bytes.resize(static_cast<size_t>(setup.micro_batches));
+  for (auto& [rank, events] : by_rank) {
+    TANDEM_CHECK(events.size() == per_micro_batch * setup.micro_batches,
+                 "[bench::overlap] expected {} collectives per micro-batch x {} on rank {}, got {}",
+                 per_micro_batch, setup.micro_batches, rank, events.size());
+    std::sort(events.begin(), events.end());
+    for (size_t j = 0; j < events.size(); ++j) {
+      const size_t within = j % per_micro_batch;
+      const int direction = within < per_forward ? 0 : 1;
+      const size_t slot = direction == 0 ? within : within - per_forward;
+      std::vector<double>& v = t.bytes[j / per_micro_batch][direction];
+      if (v.size() <= slot) v.resize(slot + 1, 0.0);
+      v[slot] = std::max(v[slot], events[j].second);
+    }
+  }
+  return t;
+}
+
+// ---- the trace of one overlapped step ----
+
+struct SideTraffic {
+  int collectives = 0;
+  double link_ms = 0;    // the link time they were charged
+  double queued_ms = 0;  // from issue until the link was free for them
+};
+
+struct TraceCheck {
+  std::string error;  // empty when the trace has what it must
+  int events = 0;
+  int rendezvous = 0;
+  std::array<SideTraffic, 2> rank0;  // forward, backward worker
+  double rank0_link_busy_ms = 0;
+};
+
+// Checks that every rank's trace has rendezvous and collective issue events
+// from both workers, and sums rank 0's link traffic per side.
+TraceCheck check_trace(const Json& doc, int ranks) {
+  static const char* kWorkers[2] = {"forward-worker", "backward-worker"};
+  TraceCheck c;
+  std::map<std::pair<int, int>, std::string> lanes;  // (pid, tid) → thread name
+  for (const Json& e : doc["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "thread_name") {
+      lanes[{e["pid"].get<int>(), e["tid"].get<int>()}] = e["args"]["name"].get<std::string>();
+    }
+  }
+  // (rank, worker) → counts of rendezvous and issue events.
+  std::map<std::pair<int, int>, std::array<int, 2>> seen;
+  std::map<int64_t, std::pair<int, double>> issued;  // rank 0: seq → (worker, issue ts)
+  for (const Json& e : doc["traceEvents"]) {
+    if (e["ph"] == "M") continue;
+    ++c.events;
+    const int pid = e["pid"].get<int>();
+    const std::string& lane = lanes[{pid, e["tid"].get<int>()}];
+    const int worker = lane == kWorkers[0] ? 0 : lane == kWorkers[1] ? 1 : -1;
+    if (worker < 0) continue;
+    const std::string name = e["name"].get<std::string>();
+    if (e["cat"] == "coordinator" && name == "rendezvous" && !e["args"].contains("skipped")) {
+      ++seen[{pid, worker}][0];
+      ++c.rendezvous;
+    } else if (e["cat"] == "comm" && name.rfind("issue ", 0) == 0) {
+      ++seen[{pid, worker}][1];
+      if (pid == 0) issued[e["args"]["seq"].get<int64_t>()] = {worker, e["ts"].get<double>()};
+    }
+  }
+  for (int r = 0; r < ranks && c.error.empty(); ++r) {
+    for (int w = 0; w < 2; ++w) {
+      const std::array<int, 2> n = seen[{r, w}];
+      if (n[0] == 0 || n[1] == 0) {
+        c.error = fmt::format(
+            "expected rendezvous and collective issue events from rank {}'s {}, got {} and {}", r,
+            kWorkers[w], n[0], n[1]);
+        break;
+      }
+    }
+  }
+  for (const Json& e : doc["traceEvents"]) {
+    if (e["ph"] != "X" || e["cat"] != "link" || e["pid"].get<int>() != 0) continue;
+    auto it = issued.find(e["args"]["seq"].get<int64_t>());
+    if (it == issued.end()) continue;  // issued outside the workers: none in this schedule
+    SideTraffic& s = c.rank0[static_cast<size_t>(it->second.first)];
+    const double dur_ms = e["dur"].get<double>() * 1e-3;
+    ++s.collectives;
+    s.link_ms += dur_ms;
+    s.queued_ms += std::max(0.0, e["ts"].get<double>() - it->second.second) * 1e-3;
+    c.rank0_link_busy_ms += dur_ms;
+  }
+  return c;
+}
+
+// ---- the run ----
+
+enum Variant { kSeqLink, kOverlapLink, kSeqFree, kOverlapFree, kVariants };
+const char* const kVariantNames[kVariants] = {"sequential", "overlapped", "compute-only sequential",
+                                              "compute-only overlapped"};
+
+struct Measured {
+  LinkModel link;
+  Traffic traffic;
+  double compute_per_micro_batch_s = 0;
+  double forward_per_micro_batch_s = 0;  // calibration, mean over micro-batches
+  double backward_per_micro_batch_s = 0;
+  std::array<std::vector<StepMarks>, kVariants> steps;  // rank 0's, one per trial
+  bool losses_identical = true;  // overlapped == sequential, bit for bit, every trial
+  StepMarks traced;
+  Json trace_doc;
+};
+
+Measured measure(const Setup& setup, const std::string& trace_path) {
+  Measured out;
+  const LinkModel free_link{0.0, std::numeric_limits<double>::infinity(), {}};
+  Lockstep lockstep(setup.ranks);
+  run_ranks(setup.ranks, [&](ProcessGroupPtr world) {
+    lockstep.guard([&] {
+      const bool leader = world->rank() == 0;
+      auto timed = [&](RankModel& model, bool overlap) {
+        lockstep.sync();
+        StepMarks m = model.step(overlap);
+        lockstep.sync();
+        return m;
+      };
+
+      // Calibration on the free link (Note [Overlap benchmark method]).
+      RankModel free_model(setup, world, free_link);
+      timed(free_model, false);  // warm-up: allocator cache, first-touch pages
+      if (leader) trace_start();
+      lockstep.sync();
+      timed(free_model, false);
+      if (leader) {
+        trace_stop();
+        out.traffic = read_traffic(Json::parse(trace_json()), setup, free_model.moe_layers());
+      }
+      std::vector<double> per_mb, fwd, bwd;
+      for (int s = 0; s < setup.calibration_steps; ++s) {
+        StepMarks m = timed(free_model, false);
+        const size_t n = m.forward.size();
+        per_mb.push_back(m.total() / static_cast<double>(n));
+        for (size_t i = 0; i < n; ++i) {
+          fwd.push_back(seconds(m.backward[i] - m.forward[i]));
+          bwd.push_back(seconds((i + 1 < n ? m.forward[i + 1] : m.end) - m.backward[i]));
+        }
+      }
+      if (leader) {
+        out.compute_per_micro_batch_s = median(per_mb);
+        out.forward_per_micro_batch_s = median(fwd);
+        out.backward_per_micro_batch_s = median(bwd);
+        const double collectives = static_cast<double>(out.traffic.collectives_per_micro_batch());
+        const double transfer_us =
+            out.compute_per_micro_batch_s * 1e6 - collectives * kLinkLatencyUs;
+        TANDEM_CHECK(transfer_us > 0,
+                     "[bench::overlap] expected a micro-batch's compute ({:.1f} us) to exceed "
+                     "the latency of its {} collectives",
+                     out.compute_per_micro_batch_s * 1e6, collectives);
+        // bytes / (GB/s · 10^3) = microseconds (LinkModel::transfer_us).
+        out.link =
+            LinkModel{kLinkLatencyUs, out.traffic.bytes_per_micro_batch() / transfer_us / 1e3, {}};
+      }
+      lockstep.sync();
+
+      RankModel link_model(setup, world, out.link);
+      timed(link_model, true);  // warm-up
+      timed(link_model, false);
+      timed(free_model, true);
+      std::array<RankModel*, kVariants> models = {&link_model, &link_model, &free_model,
+                                                  &free_model};
+      for (int t = 0; t < setup.trials; ++t) {
+        std::array<StepMarks, kVariants> marks;
+        for (int k = 0; k < kVariants; ++k) {
+          const int v = (k + t) % kVariants;  // rotate which variant goes first
+          marks[v] = timed(*models[v], v == kOverlapLink || v == kOverlapFree);
+        }
+        if (leader) {
+          for (int v = 0; v < kVariants; ++v)
+            out.steps[v].push_back(marks[v]);
+          out.losses_identical = out.losses_identical &&
+                                 marks[kSeqLink].losses == marks[kOverlapLink].losses &&
+                                 marks[kSeqFree].losses == marks[kOverlapFree].losses;
+        }
+      }
+
+      // One traced overlapped step on the link.
+      if (leader) trace_start();
+      lockstep.sync();
+      StepMarks traced = timed(link_model, true);
+      if (leader) {
+        trace_stop();
+        out.traced = traced;
+        if (trace_path.empty()) {
+          out.trace_doc = Json::parse(trace_json());
+        } else {
+          // Checked as written: the file must parse as JSON.
+          trace_write(trace_path);
+          std::ifstream file(trace_path, std::ios::binary);
+          std::stringstream text;
+          text << file.rdbuf();
+          out.trace_doc = Json::parse(text.str());
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Per-trial figures (Note [Overlap benchmark method]).
+struct Trial {
+  double sequential = 0, overlapped = 0, compute_sequential = 0, compute_overlapped = 0;
+  double ideal = 0;
+  Phases phases;
+};
+
+Trial trial_of(const Measured& m, size_t t) {
+  Trial r;
+  r.sequential = m.steps[kSeqLink][t].total();
+  r.overlapped = m.steps[kOverlapLink][t].total();
+  r.compute_sequential = m.steps[kSeqFree][t].total();
+  r.compute_overlapped = m.steps[kOverlapFree][t].total();
+  r.phases = phases_of(m.steps[kOverlapFree][t]);
+  const Traffic& tr = m.traffic;
+  const size_t n = tr.bytes.size();
+  // F1 and Bn have no partner: their compute and communication add up.
+  r.ideal = r.phases.first_forward + tr.forward_s(m.link, 0) + r.phases.last_backward +
+            tr.backward_s(m.link, n - 1);
+  // A pair [B(i) ‖ F(i+1)] at best hides the smaller of its compute and its
+  // communication under the larger.
+  for (size_t i = 1; i < n; ++i) {
+    const double comm = tr.backward_s(m.link, i - 1) + tr.forward_s(m.link, i);
+    r.ideal += std::max(r.phases.pairs[i - 1], comm);
+  }
+  return r;
+}
+
+std::vector<double> each(const std::vector<Trial>& trials, double (*f)(const Trial&)) {
+  std::vector<double> v;
+  for (const Trial& t : trials)
+    v.push_back(f(t));
+  return v;
+}
+
+Row make_row(const char* name, const char* baseline, double target, const std::vector<double>& t,
+             const std::vector<double>& b, int threads) {
+  Row row;
+  row.group = "overlap";
+  row.name = name;
+  row.device = "cpu";
+  row.threads = threads;
+  row.baseline = baseline;
+  row.target = target;
+  std::vector<double> ratios;
+  for (size_t i = 0; i < t.size(); ++i)
+    ratios.push_back(b[i] / t[i]);
+  row.timing = {timing_of(t), timing_of(b), median(ratios)};
+  return row;
+}
+
+}  // namespace
+
+int run_overlap(const Options& options) {
+  TimingConfig config = timing_config(options);
+  Report report("overlap", options, config);
+  ops::set_num_threads(1);  // one BLAS thread per worker thread
+  const Setup setup = make_setup(options);
+  const nn::TransformerLMConfig& mc = setup.model;
+
+  report.set("timing",
+             {{"statistic", "median over trials; ratios: median over trials of per-trial ratios"},
+              {"trials", setup.trials},
+              {"order", "4 steps per trial (sequential/overlapped x link/free link), rotating"}},
+             fmt::format("overlap timing: {} trials of 4 whole steps each, rotating order (the "
+                         "trial settings above do not apply); rank 0's step times",
+                         setup.trials));
+  if (options.quick) {
+    report.note("--quick is a smoke run: a small model and few trials, so the figures are noisy");
+  }
+  report.set("setup",
+             {{"ranks", setup.ranks},
+              {"backend", "threads, wrapped by simulate_link"},
+              {"micro_batches", setup.micro_batches},
+              {"batch", setup.batch},
+              {"seq", setup.seq},
+              {"vocab", mc.vocab},
+              {"d_model", mc.d_model},
+              {"layers", mc.layers},
+              {"heads", mc.heads},
+              {"hidden", mc.hidden},
+              {"experts", mc.experts},
+              {"top_k", mc.top_k},
+              {"dtype", "f32"}},
+             fmt::format("model: TransformerLM, {} MoE layers, d_model={} heads={} hidden={} "
+                         "experts={} top_k={} vocab={}; B={} S={} per micro-batch, {} "
+                         "micro-batches per step; ep={} rank threads",
+                         mc.layers, mc.d_model, mc.heads, mc.hidden, mc.experts, mc.top_k, mc.vocab,
+                         setup.batch, setup.seq, setup.micro_batches, setup.ranks));
+
+  Measured m = measure(setup, options.trace);
+  const Traffic& tr = m.traffic;
+  const size_t n = tr.bytes.size();
+  const double comm_mb = tr.step_s(m.link) / static_cast<double>(n);
+  report.set("link",
+             {{"latency_us", m.link.latency_us},
+              {"bandwidth_gbps", m.link.bandwidth_gbps},
+              {"compute_per_micro_batch_ms", m.compute_per_micro_batch_s * 1e3},
+              {"forward_per_micro_batch_ms", m.forward_per_micro_batch_s * 1e3},
+              {"backward_per_micro_batch_ms", m.backward_per_micro_batch_s * 1e3},
+              {"collectives_per_micro_batch", tr.collectives_per_micro_batch()},
+              {"bytes_per_micro_batch", tr.bytes_per_micro_batch()},
+              {"comm_per_micro_batch_ms", comm_mb * 1e3}},
+             fmt::format("link: {:.1f} us + bytes / {:.4f} GB/s per direction. Per micro-batch: "
+                         "compute {:.1f} ms (forward {:.1f}, backward {:.1f}; sequential, free "
+                         "link), comm {:.1f} ms ({} all-to-alls, {:.2f} MiB per rank)",
+                         m.link.latency_us, m.link.bandwidth_gbps,
+                         m.compute_per_micro_batch_s * 1e3, m.forward_per_micro_batch_s * 1e3,
+                         m.backward_per_micro_batch_s * 1e3, comm_mb * 1e3,
+                         tr.collectives_per_micro_batch(), tr.bytes_per_micro_batch() / (1 << 20)));
+
+  std::vector<Trial> trials;
+  for (size_t t = 0; t < m.steps[0].size(); ++t)
+    trials.push_back(trial_of(m, t));
+  const double comm = tr.step_s(m.link);
+  const double unavoidable = tr.forward_s(m.link, 0) + tr.backward_s(m.link, n - 1);
+  auto seq = each(trials, [](const Trial& t) { return t.sequential; });
+  auto ovl = each(trials, [](const Trial& t) { return t.overlapped; });
+  auto cseq = each(trials, [](const Trial& t) { return t.compute_sequential; });
+  auto covl = each(trials, [](const Trial& t) { return t.compute_overlapped; });
+  auto ideal = each(trials, [](const Trial& t) { return t.ideal; });
+  std::vector<double> bound, hidden, exposed;
+  for (const Trial& t : trials) {
+    bound.push_back(t.ideal + kExposedAllowance * comm);
+    hidden.push_back((t.sequential - t.overlapped) / comm);
+    exposed.push_back(t.overlapped - t.compute_overlapped);
+  }
+  std::vector<double> pair_compute(n - 1), first(trials.size()), last(trials.size());
+  for (size_t i = 0; i + 1 < n; ++i) {
+    std::vector<double> v;
+    for (const Trial& t : trials)
+      v.push_back(t.phases.pairs[i]);
+    pair_compute[i] = median(v);
+  }
+  for (size_t t = 0; t < trials.size(); ++t) {
+    first[t] = trials[t].phases.first_forward;
+    last[t] = trials[t].phases.last_backward;
+  }
+
+  const double ms = 1e3;
+  std::string text =
+      fmt::format("\nstep ({} micro-batches, median over {} trials, rank 0)\n", n, trials.size());
+  auto line = [&](const char* what, double v, const char* how) {
+    text += fmt::format("  {:<34} {:>9.1f} ms  {}\n", what, v * ms, how);
+  };
+  line("sequential", median(seq), "F1 B1 F2 B2 ... on the link");
+  line("overlapped", median(ovl), "F1 [B1 || F2] ... Bn on the link");
+  line("compute-only sequential", median(cseq), "free link");
+  line("compute-only overlapped", median(covl), "free link");
+  line("comm", comm, "sum of the simulated transfers of one step");
+  line("  of which F1 + Bn (unhideable)", unavoidable, "");
+  line("ideal", median(ideal), "Note [Overlap benchmark method]");
+  line("ideal + 0.2 comm", median(bound), "the target for overlapped");
+  line("exposed = overlapped - compute-only", median(exposed), "");
+  text += fmt::format("  {:<34} {:>9.1f} %   (sequential - overlapped) / comm\n", "hidden",
+                      100 * median(hidden));
+  text += fmt::format("  {:<34} {:>9.1f} %   1 - exposed / comm\n", "hidden, by exposure",
+                      100 * (1 - median(exposed) / comm));
+  text += fmt::format("  {:<34} {:>9.1f} %   (n-1)/n when comm = compute per micro-batch\n",
+                      "hidden at the ideal", 100 * (median(seq) - median(ideal)) / comm);
+  text += fmt::format("phases of the compute-only overlapped step vs their comm (ms):\n");
+  text += fmt::format("  F1      compute {:7.1f}  comm {:7.1f}\n", median(first) * ms,
+                      tr.forward_s(m.link, 0) * ms);
+  for (size_t i = 1; i < n; ++i) {
+    text += fmt::format("  B{}||F{}  compute {:7.1f}  comm {:7.1f}\n", i, i + 1,
+                        pair_compute[i - 1] * ms,
+                        (tr.backward_s(m.link, i - 1) + tr.forward_s(m.link, i)) * ms);
+  }
+  text += fmt::format("  B{}      compute {:7.1f}  comm {:7.1f}\n", n, median(last) * ms,
+                      tr.backward_s(m.link, n - 1) * ms);
+  text += fmt::format("losses of the overlapped steps {} those of the sequential ones",
+                      m.losses_identical ? "are bit-identical to" : "DIFFER from");
+  Json step = {{"sequential_ms", median(seq) * ms},
+               {"overlapped_ms", median(ovl) * ms},
+               {"compute_only_sequential_ms", median(cseq) * ms},
+               {"compute_only_overlapped_ms", median(covl) * ms},
+               {"comm_ms", comm * ms},
+               {"unhideable_comm_ms", unavoidable * ms},
+               {"ideal_ms", median(ideal) * ms},
+               {"target_ms", median(bound) * ms},
+               {"exposed_ms", median(exposed) * ms},
+               {"hidden_fraction", median(hidden)},
+               {"hidden_fraction_by_exposure", 1 - median(exposed) / comm},
+               {"losses_identical", m.losses_identical},
+               {"trials", Json::array()}};
+  for (const Trial& t : trials) {
+    step["trials"].push_back({{"sequential_ms", t.sequential * ms},
+                              {"overlapped_ms", t.overlapped * ms},
+                              {"compute_only_sequential_ms", t.compute_sequential * ms},
+                              {"compute_only_overlapped_ms", t.compute_overlapped * ms},
+                              {"ideal_ms", t.ideal * ms}});
+  }
+  report.set("step", std::move(step), text);
+
+  // The traced step.
+  TraceCheck check = check_trace(m.trace_doc, setup.ranks);
+  std::string trace_text = fmt::format(
+      "\ntrace of one overlapped step ({:.1f} ms{}): {} events, {} rendezvous; {}\n",
+      m.traced.total() * ms,
+      options.trace.empty() ? "; --trace FILE writes it" : ", written to " + options.trace,
+      check.events, check.rendezvous,
+      check.error.empty() ? "rendezvous and collective issues from both workers on every rank"
+                          : "ERROR: " + check.error);
+  static const char* kSides[2] = {"forward", "backward"};
+  for (int w = 0; w < 2; ++w) {
+    const SideTraffic& s = check.rank0[static_cast<size_t>(w)];
+    trace_text += fmt::format(
+        "  rank 0 {:<8} worker: {:3} collectives, link {:7.1f} ms, queued behind the link "
+        "{:7.1f} ms\n",
+        kSides[w], s.collectives, s.link_ms, s.queued_ms);
+  }
+  trace_text += fmt::format("  rank 0 link busy {:.1f} ms of the {:.1f} ms step ({:.0f}%)",
+                            check.rank0_link_busy_ms, m.traced.total() * ms,
+                            100 * check.rank0_link_busy_ms / (m.traced.total() * ms));
+  Json trace_json_summary = {{"file", options.trace},
+                             {"valid", check.error.empty()},
+                             {"events", check.events},
+                             {"rendezvous", check.rendezvous},
+                             {"step_ms", m.traced.total() * ms},
+                             {"rank0_link_busy_ms", check.rank0_link_busy_ms}};
+  for (int w = 0; w < 2; ++w) {
+    const SideTraffic& s = check.rank0[static_cast<size_t>(w)];
+    trace_json_summary[fmt::format("rank0_{}", kSides[w])] = {
+        {"collectives", s.collectives}, {"link_ms", s.link_ms}, {"queued_ms", s.queued_ms}};
+  }
+  if (!check.error.empty()) trace_json_summary["error"] = check.error;
+  report.set("trace", std::move(trace_json_summary), trace_text);
+
+  const int threads = 2 * setup.ranks;  // two workers per rank in the overlapped step
+  std::vector<Row> rows;
+  rows.push_back(make_row("ovl vs sequential", "sequential schedule", 0, ovl, seq, threads));
+  rows.push_back(make_row("ideal + 0.2 comm", "ideal + 0.2 x comm", 1.0, ovl, bound, threads));
+  rows.push_back(
+      make_row("compute-only ovl/seq", "compute-only sequential", 0, covl, cseq, threads));
+  if (!check.error.empty()) {
+    Row row;
+    row.group = "overlap";
+    row.name = "trace check";
+    row.device = "cpu";
+    row.threads = threads;
+    row.baseline = "-";
+    row.error = check.error;
+    rows.push_back(std::move(row));
+  }
+  for (Row& row : rows) {
+    if (report.wants(row)) report.add(std::move(row));
+  }
+  return report.finish();
+}
+
+}  // namespace tandem::bench
