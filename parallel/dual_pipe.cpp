@@ -61,7 +61,9 @@ struct SyncHookFunction final : Function {
 
 }  // namespace
 
-int current_micro_batch() { return micro_batch; }
+int current_micro_batch() {
+  return micro_batch;
+}
 
 Tensor sync_hook(const Tensor& x, const std::shared_ptr<HookCoordinator>& coordinator,
                  SyncPoint point, int64_t layer, bool last_layer) {
@@ -125,10 +127,11 @@ std::string check_pairing(int forward_layers, int backward_layers) {
   std::vector<HookRole> b = hook_sequence(backward_layers, true);
   const size_t rounds = std::min(f.size(), b.size());
   for (size_t i = 0; i < rounds; ++i) {
-    TANDEM_CHECK(f[i] != b[i],
-                 "[parallel::dual_pipe] expected rendezvous {} to pair COMM with COMPUTE, got {} on "
-                 "both sides (forward {} MoE layers, backward {})",
-                 i, to_string(f[i]), forward_layers, backward_layers);
+    TANDEM_CHECK(
+        f[i] != b[i],
+        "[parallel::dual_pipe] expected rendezvous {} to pair COMM with COMPUTE, got {} on "
+        "both sides (forward {} MoE layers, backward {})",
+        i, to_string(f[i]), forward_layers, backward_layers);
   }
   std::string s = fmt::format("{} paired rounds", rounds);
   if (f.size() != b.size()) {
@@ -144,8 +147,8 @@ DualPipeSchedule::DualPipeSchedule(std::shared_ptr<HookCoordinator> coordinator,
   TANDEM_CHECK(coordinator_ != nullptr, "[parallel::DualPipeSchedule] expected a coordinator");
 }
 
-DualPipeResult DualPipeSchedule::run(int n, const std::function<Tensor(int)>& forward,
-                                     bool overlap, int moe_layers) {
+DualPipeResult DualPipeSchedule::run(int n, const std::function<Tensor(int)>& forward, bool overlap,
+                                     int moe_layers) {
   TANDEM_CHECK(n >= 1, "[parallel::DualPipeSchedule] expected at least one micro-batch, got {}", n);
   if (moe_layers > 0) check_pairing(moe_layers, moe_layers);
   DualPipeResult result;
@@ -196,7 +199,8 @@ DualPipeResult DualPipeSchedule::run(int n, const std::function<Tensor(int)>& fo
     coordinator_->disable();
   }
   pair_.run({}, bwd(n - 1), on_failure);
-  for (int i = 0; i < n; ++i) result.losses[i] = losses[i].item_double();
+  for (int i = 0; i < n; ++i)
+    result.losses[i] = losses[i].item_double();
   return result;
 }
 

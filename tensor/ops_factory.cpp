@@ -126,6 +126,7 @@ void copy_(const Tensor& dst, const Tensor& src) {
 }
 
 Tensor contiguous(const Tensor& t) {
+  TANDEM_CHECK(t.defined(), "[tensor::contiguous] expected a defined tensor, got an empty handle");
   if (t.is_contiguous()) return t;
   return clone(t);
 }
@@ -137,6 +138,7 @@ Tensor clone(const Tensor& t) {
 }
 
 Tensor to(const Tensor& t, DType dtype) {
+  TANDEM_CHECK(t.defined(), "[tensor::to] expected a defined tensor, got an empty handle");
   if (t.dtype() == dtype) return t;
   Tensor out = empty(t.shape(), dtype, t.device());
   copy_(out, t);
@@ -144,6 +146,7 @@ Tensor to(const Tensor& t, DType dtype) {
 }
 
 Tensor to(const Tensor& t, Device device) {
+  TANDEM_CHECK(t.defined(), "[tensor::to] expected a defined tensor, got an empty handle");
   if (t.device() == device) return t;
   Tensor src = contiguous(t);
   Tensor out = empty(t.shape(), t.dtype(), device);

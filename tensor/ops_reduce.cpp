@@ -157,6 +157,7 @@ Tensor softmax(const Tensor& t, int64_t dim) { return run_softmax(t, dim, false)
 Tensor log_softmax(const Tensor& t, int64_t dim) { return run_softmax(t, dim, true); }
 
 bool allclose(const Tensor& a, const Tensor& b, double rtol, double atol) {
+  if (!a.defined() || !b.defined()) return a.defined() == b.defined();
   if (a.shape() != b.shape()) return false;
   std::vector<double> x = to(to(a, Device::cpu()), DType::F64).to_vector<double>();
   std::vector<double> y = to(to(b, Device::cpu()), DType::F64).to_vector<double>();
@@ -168,6 +169,7 @@ bool allclose(const Tensor& a, const Tensor& b, double rtol, double atol) {
 }
 
 bool equal(const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined()) return a.defined() == b.defined();
   if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
   Tensor x = contiguous(to(a, Device::cpu())), y = contiguous(to(b, Device::cpu()));
   current_stream(Device::cpu()).synchronize();

@@ -55,7 +55,8 @@ class Tensor {
   int64_t stride(int64_t d) const;
   int64_t numel() const { return shape_.numel(); }
   DType dtype() const { return dtype_; }
-  Device device() const { return storage_->device; }
+  // Undefined handles report the CPU, so a check can name them instead of crashing.
+  Device device() const { return storage_ ? storage_->device : Device::cpu(); }
   int64_t storage_offset() const { return offset_; }
   size_t element_size() const { return dtype_size(dtype_); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * element_size(); }

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "autograd/checkpoint.h"
 #include "autograd/nn/transformer.h"
 #include "autograd/ops.h"
 #include "comm/threads/threads_backend.h"
@@ -45,10 +46,13 @@ struct Run {
 };
 
 Run train_step(ProcessGroupPtr pg, int layers, bool overlap, int micro_batches,
-               const std::function<void(int, bool)>& inject = {}) {
+               const std::function<void(int, bool)>& inject = {}, bool recompute = false) {
   DeviceMesh mesh(pg, {pg->size()}, {"ep"});
+  // With recompute the backward starts by re-running the whole forward (its
+  // hooks are no-ops); the forward gate parks the forward thread meanwhile, so
+  // the re-run's collectives never interleave with the forward's.
   auto coordinator = std::make_shared<HookCoordinator>(
-      HookCoordinatorOptions{std::chrono::milliseconds(20000), false});
+      HookCoordinatorOptions{std::chrono::milliseconds(20000), recompute});
   Generator init(3);
   auto model = std::make_shared<nn::TransformerLM>(moe_config(layers, 4), init);
   int moe_layers = install_dual_pipe(model, mesh, coordinator);
@@ -57,7 +61,11 @@ Run train_step(ProcessGroupPtr pg, int layers, bool overlap, int micro_batches,
   auto forward = [&](int i) {
     if (inject) inject(i, false);
     auto [x, y] = batch(pg->rank(), i, 8);
-    std::vector<Tensor> out = model->call(Args{x});
+    std::vector<Tensor> out =
+        recompute
+            ? checkpoint(
+                  [&model](const std::vector<Tensor>& in) { return model->call(Args{in[0]}); }, {x})
+            : model->call(Args{x});
     Tensor loss = add(nn::lm_loss(out[0], y), mul(out[1], 0.01));
     loss = div(loss, static_cast<double>(micro_batches));
     if (inject) {
@@ -71,7 +79,8 @@ Run train_step(ProcessGroupPtr pg, int layers, bool overlap, int micro_batches,
   };
   Run r;
   r.losses = schedule.run(micro_batches, forward, overlap, moe_layers).losses;
-  for (auto& [name, p] : model->named_parameters()) r.grads.push_back(grad(p));
+  for (auto& [name, p] : model->named_parameters())
+    r.grads.push_back(grad(p));
   r.ledger = mesh.get_group()->ledger().history_fingerprint();
   return r;
 }
@@ -83,7 +92,8 @@ TEST_CASE("dual-pipe role tables pair COMM with COMPUTE", "[dualpipe]") {
     std::vector<HookRole> f = hook_sequence(layers, false), b = hook_sequence(layers, true);
     CHECK(f.size() == static_cast<size_t>(4 * layers - 1));
     CHECK(b.size() == f.size());
-    for (size_t i = 0; i < f.size(); ++i) CHECK(f[i] != b[i]);
+    for (size_t i = 0; i < f.size(); ++i)
+      CHECK(f[i] != b[i]);
     CHECK_NOTHROW(check_pairing(layers, layers));
   }
   // Unequal layer counts: the shorter side departs, the longer runs solo.
@@ -112,9 +122,26 @@ TEST_CASE("overlapped schedule is bit-identical to the sequential one", "[dualpi
       });
       rc.report();
       // Every rank launched the same collectives in the same order.
-      for (uint64_t l : ledgers) CHECK(l == ledgers[0]);
+      for (uint64_t l : ledgers)
+        CHECK(l == ledgers[0]);
     }
   }
+}
+
+TEST_CASE("recompute under the dual-pipe schedule is bit-identical too", "[dualpipe]") {
+  tandem::testing::RankChecks rc;
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    Run plain = train_step(pg, 2, false, 3);
+    Run recomputed = train_step(pg, 2, true, 3, {}, true);
+    for (size_t i = 0; i < plain.losses.size(); ++i) {
+      RANK_CHECK(rc, plain.losses[i] == recomputed.losses[i]);
+    }
+    for (size_t i = 0; i < plain.grads.size(); ++i) {
+      RANK_CHECK(rc, recomputed.grads[i].defined() == plain.grads[i].defined());
+      RANK_CHECK(rc, ops::equal(plain.grads[i], recomputed.grads[i]));
+    }
+  });
+  rc.report();
 }
 
 TEST_CASE("dual-pipe failures end in an error on the caller, never a hang", "[dualpipe]") {
