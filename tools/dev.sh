@@ -14,6 +14,7 @@ packages=(
   meson ninja-build pkg-config ccache g++ python3
   libopenmpi-dev openmpi-bin libeigen3-dev libopenblas-dev catch2
   libfmt-dev libcli11-dev nlohmann-json3-dev libdlpack-dev
+  clang libclang-rt-14-dev
 )
 
 install_missing() {
@@ -64,17 +65,145 @@ run_tsan() {
   return $failed
 }
 
+# The whole suite again under AddressSanitizer + UndefinedBehaviorSanitizer
+# (own build directory, CUDA/MPI off). UB is fatal (-fno-sanitize-recover);
+# LeakSanitizer's reports of the intentionally leaked process-lifetime
+# singletons are suppressed (tools/lsan.supp). TANDEM_SKIP_ASAN=1 skips it.
+asan_build="${TANDEM_ASAN_BUILD_DIR:-$root/build-asan}"
+asan_suites=(runtime tensor autograd comm parallel)
+sanitizer_env=(
+  ASAN_OPTIONS="detect_leaks=1:abort_on_error=0"
+  UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+  LSAN_OPTIONS="suppressions=$root/tools/lsan.supp:print_suppressions=0"
+)
+run_asan() {
+  if [[ ! -f "$asan_build/build.ninja" ]]; then
+    meson setup "$asan_build" "$root" -Dcuda=disabled -Dmpi=disabled -Dnccl=disabled \
+      -Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debugoptimized \
+      "-Dcpp_args=-fno-sanitize-recover=undefined -fno-omit-frame-pointer" >/dev/null
+  fi
+  local targets=()
+  for s in "${asan_suites[@]}"; do targets+=("tests/tandem-tests-$s"); done
+  if ! ninja -C "$asan_build" -j "$jobs" "${targets[@]}"; then
+    echo "tandem: the AddressSanitizer build failed"
+    return 1
+  fi
+  rm -f "$asan_build"/tests/junit-asan-*.xml
+  local failed=0
+  for s in "${asan_suites[@]}"; do
+    echo "tandem: AddressSanitizer + UBSan: $s"
+    if ! env "${sanitizer_env[@]}" TANDEM_WAIT_TIMEOUT_S=300 "$asan_build/tests/tandem-tests-$s" \
+        --use-colour no -r junit -o "$asan_build/tests/junit-asan-$s.xml" \
+        >"$asan_build/tests/asan-$s.log" 2>&1; then
+      echo "tandem: AddressSanitizer + UBSan run of $s failed (log: $asan_build/tests/asan-$s.log):"
+      grep -m 5 -A 20 -E "ERROR: (Address|Leak)Sanitizer|runtime error:" "$asan_build/tests/asan-$s.log" ||
+        tail -20 "$asan_build/tests/asan-$s.log"
+      failed=$((failed + 1))
+    fi
+  done
+  return $failed
+}
+
+# libFuzzer targets (tools/fuzz, built with clang++ in their own directory),
+# each run for TANDEM_FUZZ_SECONDS (default 20) on its seed corpus plus what
+# earlier runs found (kept in the build directory, never in the repository).
+# Each run is one test case of $fuzz_build/junit-fuzz-<fuzzer>.xml; a crash
+# fails it, and its input is saved as $fuzz_build/crash-<fuzzer>-*. Returns 1
+# when the build fails. Skipped when clang++ cannot link libFuzzer.
+# TANDEM_SKIP_FUZZ=1 skips it.
+fuzz_build="${TANDEM_FUZZ_BUILD_DIR:-$root/build-fuzz}"
+fuzzers=(views redistribute)
+have_libfuzzer() {
+  command -v clang++ >/dev/null || return 1
+  local probe
+  probe="$(mktemp -d)"
+  printf 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }\n' \
+    >"$probe/probe.cpp"
+  clang++ -fsanitize=fuzzer,address,undefined "$probe/probe.cpp" -o "$probe/probe" >/dev/null 2>&1
+  local status=$?
+  rm -rf "$probe"
+  return $status
+}
+run_fuzz() {
+  if ! have_libfuzzer; then
+    echo "tandem: fuzzing skipped: clang++ cannot link libFuzzer (-fsanitize=fuzzer)"
+    return 0
+  fi
+  if [[ ! -f "$fuzz_build/build.ninja" ]]; then
+    local cxx="clang++"
+    command -v ccache >/dev/null && cxx="ccache clang++"
+    CXX="$cxx" meson setup "$fuzz_build" "$root" -Dfuzz=true -Dcuda=disabled -Dmpi=disabled \
+      -Dnccl=disabled -Db_sanitize=address,undefined -Db_lundef=false \
+      -Dbuildtype=debugoptimized \
+      "-Dcpp_args=-fno-sanitize-recover=undefined -fno-omit-frame-pointer" >/dev/null
+  fi
+  local targets=()
+  for f in "${fuzzers[@]}"; do targets+=("tools/fuzz/fuzz-$f"); done
+  if ! ninja -C "$fuzz_build" -j "$jobs" "${targets[@]}"; then
+    echo "tandem: the fuzzer build failed"
+    return 1
+  fi
+  local seconds="${TANDEM_FUZZ_SECONDS:-20}"
+  rm -f "$fuzz_build"/junit-fuzz-*.xml
+  for f in "${fuzzers[@]}"; do
+    echo "tandem: fuzzing $f for ${seconds}s"
+    mkdir -p "$fuzz_build/corpus/$f"
+    local log="$fuzz_build/fuzz-$f.log" status=0 start=$SECONDS
+    env "${sanitizer_env[@]}" TANDEM_WAIT_TIMEOUT_S=60 "$fuzz_build/tools/fuzz/fuzz-$f" \
+      "$fuzz_build/corpus/$f" "$root/tools/fuzz/corpus/$f" -max_total_time="$seconds" \
+      -timeout=60 -rss_limit_mb=4096 -print_final_stats=1 \
+      -artifact_prefix="$fuzz_build/crash-$f-" >"$log" 2>&1 || status=$?
+    local runs
+    runs="$(grep -m 1 -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || true)"
+    local failure=""
+    if ((status != 0)); then
+      echo "tandem: fuzzer $f found a failure (log: $log):"
+      grep -m 3 -B 2 -A 25 -E "FINDING|ERROR: (Address|Leak)Sanitizer|runtime error:|deadly signal|uncaught" "$log" ||
+        tail -30 "$log"
+      failure="<failure message=\"exit status $status, see $log\"/>"
+    fi
+    # One test case per fuzzer, so the closing line counts the smoke runs.
+    printf '<testsuites><testsuite name="fuzz-%s"><testcase classname="fuzz" name="fuzz-%s: %ss, %s inputs" time="%s">%s</testcase></testsuite></testsuites>\n' \
+      "$f" "$f" "$seconds" "${runs:-?}" "$((SECONDS - start))" "$failure" >"$fuzz_build/junit-fuzz-$f.xml"
+  done
+}
+
+# Runs `$2…` as a stage named $1 and prints how long it took.
+timed() {
+  local name="$1" start=$SECONDS status=0
+  shift
+  "$@" || status=$?
+  echo "tandem: stage $name took $((SECONDS - start))s"
+  return $status
+}
+
 run_tests() {
   cd "$build"
   rm -f tests/junit-*.xml
-  local status=0 tsan_failed=0
-  meson test --no-rebuild --print-errorlogs --num-processes 1 || status=$?
+  local status=0 extra_failed=0 failed=0
+  timed tests meson test --no-rebuild --print-errorlogs --num-processes 1 || status=$?
   local reports=(tests/junit-*.xml)
   if [[ "${TANDEM_SKIP_TSAN:-0}" != 1 ]]; then
-    run_tsan || tsan_failed=$?
+    failed=0
+    timed tsan run_tsan || failed=$?
+    extra_failed=$((extra_failed + failed))
     reports+=("$tsan_build"/tests/junit-tsan-*.xml)
   fi
-  TANDEM_EXTRA_FAILURES=$tsan_failed python3 "$root/tools/junit_summary.py" "${reports[@]}" || status=1
+  if [[ "${TANDEM_SKIP_ASAN:-0}" != 1 ]]; then
+    failed=0
+    timed asan run_asan || failed=$?
+    extra_failed=$((extra_failed + failed))
+    reports+=("$asan_build"/tests/junit-asan-*.xml)
+  fi
+  if [[ "${TANDEM_SKIP_FUZZ:-0}" != 1 ]]; then
+    failed=0
+    timed fuzz run_fuzz || failed=$?
+    extra_failed=$((extra_failed + failed))
+    for f in "${fuzzers[@]}"; do
+      [[ -f "$fuzz_build/junit-fuzz-$f.xml" ]] && reports+=("$fuzz_build/junit-fuzz-$f.xml")
+    done
+  fi
+  TANDEM_EXTRA_FAILURES=$extra_failed python3 "$root/tools/junit_summary.py" "${reports[@]}" || status=1
   return $status
 }
 

@@ -63,7 +63,6 @@
 #include <array>
 #include <barrier>
 #include <chrono>
-#include <cmath>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -76,7 +75,7 @@
 
 #include <fmt/format.h>
 
-#include "autograd/engine.h"
+#include "autograd/node.h"
 #include "autograd/nn/transformer.h"
 #include "autograd/ops.h"
 #include "comm/sim_link.h"
@@ -749,8 +748,12 @@ int run_overlap(const Options& options) {
                       100 * median(hidden));
   text += fmt::format("  {:<34} {:>9.1f} %   1 - exposed / comm\n", "hidden, by exposure",
                       100 * (1 - median(exposed) / comm));
-  text += fmt::format("  {:<34} {:>9.1f} %   (n-1)/n when comm = compute per micro-batch\n",
+  text += fmt::format("  {:<34} {:>9.1f} %   (sequential - ideal) / comm: the most there is\n",
                       "hidden at the ideal", 100 * (median(seq) - median(ideal)) / comm);
+  // The calibration chose comm = compute per micro-batch; on a noisy machine
+  // the trials' compute can drift from it, so the regime reached is shown.
+  text += fmt::format("  {:<34} {:>9.2f}     comm / compute-only sequential (calibrated: 1)\n",
+                      "comm / compute in the trials", comm / median(cseq));
   text += fmt::format("phases of the compute-only overlapped step vs their comm (ms):\n");
   text += fmt::format("  F1      compute {:7.1f}  comm {:7.1f}\n", median(first) * ms,
                       tr.forward_s(m.link, 0) * ms);
@@ -774,6 +777,8 @@ int run_overlap(const Options& options) {
                {"exposed_ms", median(exposed) * ms},
                {"hidden_fraction", median(hidden)},
                {"hidden_fraction_by_exposure", 1 - median(exposed) / comm},
+               {"hidden_fraction_at_ideal", (median(seq) - median(ideal)) / comm},
+               {"comm_over_compute", comm / median(cseq)},
                {"losses_identical", m.losses_identical},
                {"trials", Json::array()}};
   for (const Trial& t : trials) {
