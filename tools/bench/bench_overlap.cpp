@@ -75,8 +75,8 @@
 
 #include <fmt/format.h>
 
-#include "autograd/node.h"
 #include "autograd/nn/transformer.h"
+#include "autograd/node.h"
 #include "autograd/ops.h"
 #include "comm/sim_link.h"
 #include "comm/threads/threads_backend.h"

@@ -35,8 +35,9 @@ int main(int argc, char** argv) {
   cp->add_option("--dim", options.dim, "model dimension d (default 1024, 256 with --quick)");
   cp->add_option("--heads", options.heads, "attention heads (default 16)");
   CLI::App* overlap = app.add_subcommand(
-      "overlap", "dual-pipe overlap of MoE all-to-alls on a simulated link: overlapped step vs "
-                 "sequential and vs the ideal");
+      "overlap",
+      "dual-pipe overlap of MoE all-to-alls on a simulated link: overlapped step vs "
+      "sequential and vs the ideal");
   overlap->add_option("--ranks", options.ranks, "expert-parallel rank threads (default 2)");
   overlap->add_option("--micro-batches", options.micro_batches,
                       "micro-batches per step (default 6, 4 with --quick)");

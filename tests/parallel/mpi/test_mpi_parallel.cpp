@@ -4,10 +4,12 @@
 #include <catch2/catch.hpp>
 
 #include "autograd/nn/attention.h"
+#include "autograd/nn/transformer.h"
 #include "autograd/ops.h"
 #include "comm/backend.h"
 #include "parallel/context_parallel.h"
 #include "parallel/dtensor.h"
+#include "parallel/dual_pipe.h"
 #include "tests/comm/mpi/mpi_test_util.h"
 
 using namespace tandem;
@@ -39,8 +41,11 @@ TEST_CASE("redistribution between placements matches slicing (MPI)", "[mpi][redi
       }
     }
     // 2-D mesh, nested and crossed shards
-    std::vector<Placements> two = {{Shard(0), Shard(1)}, {Shard(0), Shard(0)}, {Replicate(), Partial()},
-                                   {Shard(1), Replicate()}, {Partial(), Shard(0)}};
+    std::vector<Placements> two = {{Shard(0), Shard(1)},
+                                   {Shard(0), Shard(0)},
+                                   {Replicate(), Partial()},
+                                   {Shard(1), Replicate()},
+                                   {Partial(), Shard(0)}};
     for (const auto& from : two) {
       for (const auto& to : two) {
         DTensor y = DTensor::distribute(full, mesh2, from).redistribute(to);
@@ -80,7 +85,8 @@ TEST_CASE("context parallel modes equal single-rank attention (MPI)", "[mpi][cp]
     options.causal = true;
     auto ref = std::make_shared<nn::CoreAttention>(options);
     Tensor qr = ops::clone(q), kr = ops::clone(k), vr = ops::clone(v);
-    for (Tensor* t : {&qr, &kr, &vr}) set_requires_grad(*t);
+    for (Tensor* t : {&qr, &kr, &vr})
+      set_requires_grad(*t);
     Tensor out_ref = ref->call(Args{qr, kr, vr})[0];
     backward(sum(mul(out_ref, w)));
 
@@ -92,7 +98,8 @@ TEST_CASE("context parallel modes equal single-rank attention (MPI)", "[mpi][cp]
     config.apply(core, mesh);
     auto shard = [&](const Tensor& t) { return shard_sequence(t, 1, 4, r, m.lb); };
     Tensor ql = shard(q), kl = shard(k), vl = shard(v);
-    for (Tensor* t : {&ql, &kl, &vl}) set_requires_grad(*t);
+    for (Tensor* t : {&ql, &kl, &vl})
+      set_requires_grad(*t);
     Tensor out = core->call(Args{ql, kl, vl})[0];
     backward(sum(mul(out, shard(w))));
     CHECK(ops::allclose(out, shard(out_ref), 1e-5, 1e-5));
@@ -100,5 +107,46 @@ TEST_CASE("context parallel modes equal single-rank attention (MPI)", "[mpi][cp]
     CHECK(ops::allclose(grad(kl), shard(grad(kr)), 1e-5, 1e-5));
     CHECK(ops::allclose(grad(vl), shard(grad(vr)), 1e-5, 1e-5));
   }
+  tandem::test::check_all_ranks_passed();
+}
+
+TEST_CASE("dual-pipe schedule with expert parallel is bit-identical to sequential (MPI)",
+          "[mpi][dualpipe]") {
+  ProcessGroupPtr pg = world();
+  std::vector<std::vector<double>> losses;
+  std::vector<std::vector<Tensor>> grads;
+  for (bool overlap : {false, true}) {
+    DeviceMesh mesh(pg, {4}, {"ep"});
+    auto coordinator = std::make_shared<HookCoordinator>(
+        HookCoordinatorOptions{std::chrono::milliseconds(60000), false});
+    nn::TransformerLMConfig c;
+    c.vocab = 17;
+    c.d_model = 16;
+    c.layers = 2;
+    c.heads = 2;
+    c.hidden = 32;
+    c.max_seq = 8;
+    c.experts = 4;
+    Generator init(3);
+    auto model = std::make_shared<nn::TransformerLM>(c, init);
+    int layers = install_dual_pipe(model, mesh, coordinator);
+    DualPipeSchedule schedule(coordinator);
+    auto forward = [&](int i) {
+      Generator g(1000 + 31 * pg->rank() + i);
+      Tensor t = ops::to(ops::mul(ops::rand({2, 9}, g), 17.0), DType::I64);
+      Tensor x = ops::contiguous(ops::narrow(t, 1, 0, 8)),
+             y = ops::contiguous(ops::narrow(t, 1, 1, 8));
+      std::vector<Tensor> out = model->call(Args{x});
+      return add(nn::lm_loss(out[0], y), mul(out[1], 0.01));
+    };
+    losses.push_back(schedule.run(3, forward, overlap, layers).losses);
+    std::vector<Tensor> g;
+    for (auto& [name, p] : model->named_parameters())
+      g.push_back(grad(p));
+    grads.push_back(g);
+  }
+  CHECK(losses[0] == losses[1]);
+  for (size_t i = 0; i < grads[0].size(); ++i)
+    CHECK(ops::equal(grads[0][i], grads[1][i]));
   tandem::test::check_all_ranks_passed();
 }
