@@ -338,7 +338,7 @@ struct ModeRun {
   std::vector<double> step_s, compute_s;  // adjacent (link, ideal) pairs
   // Mean over ranks of the time a rank thread slept in that step (NaN where
   // the scheduler statistics are unavailable), for the same pairs.
-  std::vector<double> blocked_step_s, blocked_compute_s;
+  std::vector<double> slept_step_s, slept_compute_s;
   std::vector<double> moved_bytes;  // per rank, one step
   std::vector<double> link_s;       // per rank, one step
   double process_peak_bytes = 0;
@@ -353,15 +353,15 @@ struct ModeRun {
     return median(d);
   }
   // Exposed communication as the extra time the rank threads slept.
-  double exposed_blocked() const {
+  double exposed_slept() const {
     std::vector<double> d;
-    for (size_t i = 0; i < blocked_step_s.size(); ++i)
-      d.push_back(blocked_step_s[i] - blocked_compute_s[i]);
+    for (size_t i = 0; i < slept_step_s.size(); ++i)
+      d.push_back(slept_step_s[i] - slept_compute_s[i]);
     return d.empty() || std::isnan(d[0]) ? std::nan("") : median(d);
   }
   // The exposed figure the async comparison uses (Note [CP benchmark method]).
   double exposed_best() const {
-    const double b = exposed_blocked();
+    const double b = exposed_slept();
     return std::isnan(b) ? exposed() : b;
   }
   double max_moved() const { return *std::max_element(moved_bytes.begin(), moved_bytes.end()); }
@@ -468,8 +468,8 @@ std::vector<ModeRun> run_group(const Size& size, const std::vector<const Mode*>&
         for (size_t m = 0; m < n; ++m)
           on_ideal.push_back(make_copy(size, *modes[m], simulate_link(world, ideal), x, w));
         // Returns the step's wall time (to the slowest rank) and, on the
-        // leader, sets `blocked` to the ranks' mean sleeping time.
-        auto timed = [&](const LayerCopy& c, double& blocked) {
+        // leader, sets `mean_slept` to the ranks' mean sleeping time.
+        auto timed = [&](const LayerCopy& c, double& mean_slept) {
           lockstep.sync();
           Clock::time_point start = Clock::now();
           std::optional<SchedTimes> before = thread_sched_times();
@@ -481,9 +481,9 @@ std::vector<ModeRun> run_group(const Size& size, const std::vector<const Mode*>&
                                         : std::nan("");
           lockstep.sync();
           if (leader) {
-            blocked = 0;
+            mean_slept = 0;
             for (double s : slept)
-              blocked += s / kRanks;
+              mean_slept += s / kRanks;
           }
           return seconds_since(start);
         };
@@ -491,19 +491,19 @@ std::vector<ModeRun> run_group(const Size& size, const std::vector<const Mode*>&
         // sizes every copy uses.
         for (int i = 0; i < pairs; ++i) {
           for (size_t m = 0; m < n; ++m) {
-            double step, compute, blocked_step = 0, blocked_compute = 0;
+            double step, compute, slept_step = 0, slept_compute = 0;
             if (i % 2 == 0) {
-              step = timed(on_link[m], blocked_step);
-              compute = timed(on_ideal[m], blocked_compute);
+              step = timed(on_link[m], slept_step);
+              compute = timed(on_ideal[m], slept_compute);
             } else {
-              compute = timed(on_ideal[m], blocked_compute);
-              step = timed(on_link[m], blocked_step);
+              compute = timed(on_ideal[m], slept_compute);
+              step = timed(on_link[m], slept_step);
             }
             if (leader) {
               runs[m].step_s.push_back(step);
               runs[m].compute_s.push_back(compute);
-              runs[m].blocked_step_s.push_back(blocked_step);
-              runs[m].blocked_compute_s.push_back(blocked_compute);
+              runs[m].slept_step_s.push_back(slept_step);
+              runs[m].slept_compute_s.push_back(slept_compute);
             }
           }
         }
@@ -559,7 +559,7 @@ void report_modes(Report& report, const std::vector<Measured>& all, const Single
     };
     text += fmt::format(
         kFormat, m.mode->name, m.mode->ds, ms(r.step()), ms(r.compute()), ms(r.exposed()),
-        ms(r.exposed_blocked()), ms(r.max_link()), fmt::format("{:.0f}%", 100 * hidden),
+        ms(r.exposed_slept()), ms(r.max_link()), fmt::format("{:.0f}%", 100 * hidden),
         fmt::format("{:.2f}", r.max_moved() / kMiB),
         fmt::format("{:.1f}", r.peak_per_rank() / kMiB), fmt::format("{:.3f}", ratio),
         m.mode->peak_target ? fmt::format("<={:.2f}", kPeakTarget) : "-",
@@ -573,7 +573,7 @@ void report_modes(Report& report, const std::vector<Measured>& all, const Single
               {"compute_ms", r.compute() * 1e3},
               {"exposed_comm_ms", r.exposed() * 1e3},
               {"exposed_comm_slept_ms",
-               std::isnan(r.exposed_blocked()) ? Json(nullptr) : Json(r.exposed_blocked() * 1e3)},
+               std::isnan(r.exposed_slept()) ? Json(nullptr) : Json(r.exposed_slept() * 1e3)},
               {"link_ms_per_rank", r.max_link() * 1e3},
               {"hidden_fraction", hidden},
               {"moved_bytes_per_rank", r.max_moved()},
@@ -589,9 +589,9 @@ void report_modes(Report& report, const std::vector<Measured>& all, const Single
       j["compute_ms_trials"].push_back(s * 1e3);
     j["slept_ms_trials"] = Json::array();
     j["slept_compute_ms_trials"] = Json::array();
-    for (size_t i = 0; i < r.blocked_step_s.size() && !std::isnan(r.blocked_step_s[i]); ++i) {
-      j["slept_ms_trials"].push_back(r.blocked_step_s[i] * 1e3);
-      j["slept_compute_ms_trials"].push_back(r.blocked_compute_s[i] * 1e3);
+    for (size_t i = 0; i < r.slept_step_s.size() && !std::isnan(r.slept_step_s[i]); ++i) {
+      j["slept_ms_trials"].push_back(r.slept_step_s[i] * 1e3);
+      j["slept_compute_ms_trials"].push_back(r.slept_compute_s[i] * 1e3);
     }
     if (m.mode->peak_target) {
       j["peak_target_max"] = kPeakTarget;
