@@ -45,7 +45,8 @@ Tensor unshard_sequence(const Tensor& local, int64_t seq_dim, const ProcessGroup
   Tensor gathered = all_gather_dim(local, group, d, lengths);
   if (!load_balance) return gathered;
   int64_t total = 0;
-  for (int64_t l : lengths) total += l;
+  for (int64_t l : lengths)
+    total += l;
   // Rank order holds [c0, c(2cp-1)], [c1, c(2cp-2)], ...: put pieces in place.
   std::vector<Tensor> by_position(static_cast<size_t>(2 * cp));
   int64_t offset = 0;
@@ -61,7 +62,8 @@ Tensor unshard_sequence(const Tensor& local, int64_t seq_dim, const ProcessGroup
 int64_t causal_attention_pairs(int64_t seq_len, int cp, int rank, bool load_balance) {
   int64_t pairs = 0;
   for (const SeqPiece& p : sequence_pieces(seq_len, cp, rank, load_balance)) {
-    for (int64_t i = p.start; i < p.start + p.length; ++i) pairs += i + 1;
+    for (int64_t i = p.start; i < p.start + p.length; ++i)
+      pairs += i + 1;
   }
   return pairs;
 }
@@ -70,7 +72,9 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-Tensor bhsd(const Tensor& t) { return ops::contiguous(ops::transpose(t, 1, 2)); }
+Tensor bhsd(const Tensor& t) {
+  return ops::contiguous(ops::transpose(t, 1, 2));
+}
 
 // Merges (out2, lse2) into (out1, lse1): the log-sum-exp rule, -inf safe.
 void merge(Tensor& out, Tensor& lse, const Tensor& out2, const Tensor& lse2) {
@@ -92,7 +96,7 @@ struct RingAttention final : Function {
   AttentionOptions options;
   int64_t seq_len = 0;  // global
   bool load_balance = false;
-  std::vector<int64_t> lengths;  // every rank's local length
+  std::vector<int64_t> lengths;                            // every rank's local length
   Tensor saved_q, saved_k, saved_v, saved_out, saved_lse;  // BHSD
 
   const char* name() const override { return "RingAttentionBackward"; }
@@ -129,8 +133,10 @@ struct RingAttention final : Function {
   WorkPtr exchange(const std::vector<Tensor>& tensors) const {
     const int n = group->size(), me = group->rank();
     std::vector<P2POp> ops_list;
-    for (const Tensor& t : tensors) ops_list.push_back(P2POp::send(t, (me + 1) % n));
-    for (const Tensor& t : tensors) ops_list.push_back(P2POp::recv(t, (me + n - 1) % n));
+    for (const Tensor& t : tensors)
+      ops_list.push_back(P2POp::send(t, (me + 1) % n));
+    for (const Tensor& t : tensors)
+      ops_list.push_back(P2POp::recv(t, (me + n - 1) % n));
     return group->batch_isend_irecv(ops_list, "ring");
   }
 
@@ -224,7 +230,8 @@ struct RingAttention final : Function {
     }
     const int64_t mine = lengths[me];
     auto back = [&](const Tensor& t, const Tensor& like) {
-      return ops::contiguous(ops::transpose(ops::to(ops::narrow(t, 2, 0, mine), like.dtype()), 1, 2));
+      return ops::contiguous(
+          ops::transpose(ops::to(ops::narrow(t, 2, 0, mine), like.dtype()), 1, 2));
     };
     saved_q = saved_k = saved_v = saved_out = saved_lse = Tensor();
     return {ops::contiguous(ops::transpose(ops::to(dq, g[0].dtype()), 1, 2)), back(dk, g[0]),
@@ -278,7 +285,8 @@ std::vector<int64_t> block_sums(const std::vector<int64_t>& lengths, int ds) {
   std::vector<int64_t> out;
   for (size_t i = 0; i < lengths.size(); i += static_cast<size_t>(ds)) {
     int64_t s = 0;
-    for (int j = 0; j < ds; ++j) s += lengths[i + static_cast<size_t>(j)];
+    for (int j = 0; j < ds; ++j)
+      s += lengths[i + static_cast<size_t>(j)];
     out.push_back(s);
   }
   return out;
@@ -295,17 +303,18 @@ std::shared_ptr<CPRuntime> ContextParallel::install(const std::shared_ptr<nn::Co
                                                     const DeviceMesh& mesh,
                                                     bool collectives_in_pre_hook) const {
   TANDEM_CHECK(core != nullptr, "[parallel::ContextParallel] expected a core-attention module");
-  TANDEM_CHECK(mesh.ndim() == 1 || mesh.ndim() == 2,
-               "[parallel::ContextParallel] expected a 1-D or 2-D (co, ds) mesh, got a {}-D mesh {}",
-               mesh.ndim(), mesh.str());
+  TANDEM_CHECK(
+      mesh.ndim() == 1 || mesh.ndim() == 2,
+      "[parallel::ContextParallel] expected a 1-D or 2-D (co, ds) mesh, got a {}-D mesh {}",
+      mesh.ndim(), mesh.str());
   TANDEM_CHECK(use_local_output,
                "[parallel::ContextParallel] expected use_local_output (modules exchange local "
-               "tensors; wrap the output with DTensor::from_local on the CP mesh), got false");
+               "tensors; for DTensor inputs and outputs call attend()), got false");
   const int cp = static_cast<int>(mesh.size());
   const int ds = static_cast<int>(ulysses_degree);
   TANDEM_CHECK(ds >= 1 && cp % ds == 0,
-               "[parallel::ContextParallel] expected the Ulysses degree to divide cp={}, got {}", cp,
-               ds);
+               "[parallel::ContextParallel] expected the Ulysses degree to divide cp={}, got {}",
+               cp, ds);
   const bool ring = mode == CPMode::Ring;
   TANDEM_CHECK(!(ring && ds > 1),
                "[parallel::ContextParallel] expected ulysses_degree 1 with ring, got {}", ds);
@@ -321,10 +330,12 @@ std::shared_ptr<CPRuntime> ContextParallel::install(const std::shared_ptr<nn::Co
                  "[parallel::ContextParallel] expected a 2-D mesh with dims named (co, ds), got "
                  "({}, {})",
                  names[0], names[1]);
-    TANDEM_CHECK(mesh.size(1) == ds,
-                 "[parallel::ContextParallel] expected the ds dim to equal ulysses_degree {}, got {}",
-                 ds, mesh.size(1));
-    cp_group = mesh.flatten("cp_" + std::to_string(reinterpret_cast<uintptr_t>(core.get()))).get_group();
+    TANDEM_CHECK(
+        mesh.size(1) == ds,
+        "[parallel::ContextParallel] expected the ds dim to equal ulysses_degree {}, got {}", ds,
+        mesh.size(1));
+    cp_group =
+        mesh.flatten("cp_" + std::to_string(reinterpret_cast<uintptr_t>(core.get()))).get_group();
     ds_group = mesh.get_group("ds");
     co_group = mesh.get_group("co");
   } else {
@@ -352,50 +363,51 @@ std::shared_ptr<CPRuntime> ContextParallel::install(const std::shared_ptr<nn::Co
   auto get_state = [rt]() { return rt->get(); };
 
   if (collectives_in_pre_hook) {
-  core->register_forward_pre_hook([=](Module&, const Args& in) -> std::optional<Args> {
-    Args args = in;
-    std::vector<Tensor*> qkv = qkv_slots(args, config);
-    Tensor &q = *qkv[0], &k = *qkv[1], &v = *qkv[2];
-    const int64_t hq = q.shape()[hd], hkv = k.shape()[hd];
-    CPCallState s;
-    s.lengths = gather_lengths(q, cp_group, sd);
-    for (int64_t l : s.lengths) s.total += l;
-    set_state(s);
-    if (ds > 1) {
-      TANDEM_CHECK(hq % ds == 0,
-                   "[parallel::ContextParallel] expected query heads divisible by the Ulysses "
-                   "degree, got {} heads and degree {}",
-                   hq, ds);
-      std::vector<int64_t> ds_lengths(s.lengths.begin() + (cp_group->rank() / ds) * ds,
-                                      s.lengths.begin() + (cp_group->rank() / ds + 1) * ds);
-      q = all_to_all_dims(q, ds_group, hd, sd, {}, ds_lengths);
-      k = all_to_all_dims(replicate_heads(k, hd, ds), ds_group, hd, sd, {}, ds_lengths);
-      v = all_to_all_dims(replicate_heads(v, hd, ds), ds_group, hd, sd, {}, ds_lengths);
-      (void)hkv;
-    }
-    if (co > 1) {
-      std::vector<int64_t> co_lengths = block_sums(s.lengths, ds);
-      if (!ring) {
-        k = all_gather_dim(k, co_group, sd, co_lengths);
-        v = all_gather_dim(v, co_group, sd, co_lengths);
-        if (config.load_balance) {
-          // Gathered in rank order; restore global order for the kernel.
-          std::vector<Tensor> by_position(static_cast<size_t>(2 * cp));
-          for (Tensor* t : {&k, &v}) {
-            int64_t offset = 0;
-            for (int r = 0; r < cp; ++r) {
-              auto p = sequence_pieces(s.total, cp, r, true);
-              by_position[r] = narrow(*t, sd, offset, p[0].length);
-              by_position[2 * cp - 1 - r] = narrow(*t, sd, offset + p[0].length, p[1].length);
-              offset += s.lengths[r];
+    core->register_forward_pre_hook([=](Module&, const Args& in) -> std::optional<Args> {
+      Args args = in;
+      std::vector<Tensor*> qkv = qkv_slots(args, config);
+      Tensor &q = *qkv[0], &k = *qkv[1], &v = *qkv[2];
+      const int64_t hq = q.shape()[hd], hkv = k.shape()[hd];
+      CPCallState s;
+      s.lengths = gather_lengths(q, cp_group, sd);
+      for (int64_t l : s.lengths)
+        s.total += l;
+      set_state(s);
+      if (ds > 1) {
+        TANDEM_CHECK(hq % ds == 0,
+                     "[parallel::ContextParallel] expected query heads divisible by the Ulysses "
+                     "degree, got {} heads and degree {}",
+                     hq, ds);
+        std::vector<int64_t> ds_lengths(s.lengths.begin() + (cp_group->rank() / ds) * ds,
+                                        s.lengths.begin() + (cp_group->rank() / ds + 1) * ds);
+        q = all_to_all_dims(q, ds_group, hd, sd, {}, ds_lengths);
+        k = all_to_all_dims(replicate_heads(k, hd, ds), ds_group, hd, sd, {}, ds_lengths);
+        v = all_to_all_dims(replicate_heads(v, hd, ds), ds_group, hd, sd, {}, ds_lengths);
+        (void)hkv;
+      }
+      if (co > 1) {
+        std::vector<int64_t> co_lengths = block_sums(s.lengths, ds);
+        if (!ring) {
+          k = all_gather_dim(k, co_group, sd, co_lengths);
+          v = all_gather_dim(v, co_group, sd, co_lengths);
+          if (config.load_balance) {
+            // Gathered in rank order; restore global order for the kernel.
+            std::vector<Tensor> by_position(static_cast<size_t>(2 * cp));
+            for (Tensor* t : {&k, &v}) {
+              int64_t offset = 0;
+              for (int r = 0; r < cp; ++r) {
+                auto p = sequence_pieces(s.total, cp, r, true);
+                by_position[r] = narrow(*t, sd, offset, p[0].length);
+                by_position[2 * cp - 1 - r] = narrow(*t, sd, offset + p[0].length, p[1].length);
+                offset += s.lengths[r];
+              }
+              *t = cat(by_position, sd);
             }
-            *t = cat(by_position, sd);
           }
         }
       }
-    }
-    return args;
-  });
+      return args;
+    });
   }
 
   // The kernel: positions of the local queries against the keys held.
@@ -418,13 +430,15 @@ std::shared_ptr<CPRuntime> ContextParallel::install(const std::shared_ptr<nn::Co
     if (ds > 1) {
       int64_t start = 0;
       const int block = cp_rank / ds;
-      for (int r = 0; r < block * ds; ++r) start += s.lengths[r];
+      for (int r = 0; r < block * ds; ++r)
+        start += s.lengths[r];
       pieces.push_back({start, q.shape()[sd]});
     } else if (config.load_balance) {
       pieces = sequence_pieces(s.total, cp, cp_rank, true);
     } else {
       int64_t start = 0;
-      for (int r = 0; r < cp_rank; ++r) start += s.lengths[r];
+      for (int r = 0; r < cp_rank; ++r)
+        start += s.lengths[r];
       pieces.push_back({start, q.shape()[sd]});
     }
     std::vector<Tensor> outs;
@@ -443,15 +457,16 @@ std::shared_ptr<CPRuntime> ContextParallel::install(const std::shared_ptr<nn::Co
   });
 
   if (ds > 1) {
-    core->register_forward_hook([=](Module&, const Args&, const std::vector<Tensor>& outs)
-                                    -> std::optional<std::vector<Tensor>> {
-      CPCallState s = get_state();
-      std::vector<int64_t> ds_lengths(s.lengths.begin() + (cp_rank / ds) * ds,
-                                      s.lengths.begin() + (cp_rank / ds + 1) * ds);
-      std::vector<Tensor> o = outs;
-      o[0] = all_to_all_dims(o[0], ds_group, sd, hd, ds_lengths, {});
-      return o;
-    });
+    core->register_forward_hook(
+        [=](Module&, const Args&,
+            const std::vector<Tensor>& outs) -> std::optional<std::vector<Tensor>> {
+          CPCallState s = get_state();
+          std::vector<int64_t> ds_lengths(s.lengths.begin() + (cp_rank / ds) * ds,
+                                          s.lengths.begin() + (cp_rank / ds + 1) * ds);
+          std::vector<Tensor> o = outs;
+          o[0] = all_to_all_dims(o[0], ds_group, sd, hd, ds_lengths, {});
+          return o;
+        });
   }
   return rt;
 }
@@ -459,6 +474,27 @@ std::shared_ptr<CPRuntime> ContextParallel::install(const std::shared_ptr<nn::Co
 }  // namespace tandem
 
 namespace tandem {
+
+DTensor ContextParallel::attend(const std::shared_ptr<nn::CoreAttention>& core, const DTensor& q,
+                                const DTensor& k, const DTensor& v,
+                                const std::string& cp_dim) const {
+  TANDEM_CHECK(q.defined() && k.defined() && v.defined(),
+               "[parallel::ContextParallel::attend] expected defined q, k and v DTensors");
+  const int m = q.mesh().dim_index(cp_dim);
+  auto sharded = [&](const DTensor& t, const char* name) {
+    TANDEM_CHECK(t.mesh() == q.mesh(),
+                 "[parallel::ContextParallel::attend] expected {} on q's mesh {}, got {}", name,
+                 q.mesh().str(), t.mesh().str());
+    if (t.placements()[m].is_shard(seq_dim)) return t;
+    Placements p = t.placements();
+    p[m] = Shard(seq_dim);
+    return t.redistribute(p);
+  };
+  DTensor qs = sharded(q, "q"), ks = sharded(k, "k"), vs = sharded(v, "v");
+  Tensor out = core->call(Args{qs.to_local(), ks.to_local(), vs.to_local()})[0];
+  // The output has q's layout: sequence sharded on cp_dim, heads as q's.
+  return DTensor::make(out, qs.mesh(), qs.placements(), qs.shape());
+}
 
 void CPRuntime::set(CPCallState s) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -563,14 +599,16 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
                "[parallel::AsyncContextParallel] expected head_size > 0 (the projections output "
                "heads * head_size features), got {}",
                head_size);
-  TANDEM_CHECK(config.mode == CPMode::Auto && (config.ulysses_degree == 1 ||
-                                               config.ulysses_degree == static_cast<int64_t>(mesh.size())),
-               "[parallel::AsyncContextParallel] expected Ulysses (ulysses_degree == cp) or "
-               "all-gather KV (ulysses_degree == 1) without ring, got ulysses_degree {} on cp={}",
-               config.ulysses_degree, mesh.size());
-  TANDEM_CHECK(config.seq_dim == 1 && config.head_dim == 2,
-               "[parallel::AsyncContextParallel] expected BSHD (seq_dim 1, head_dim 2), got {} and {}",
-               config.seq_dim, config.head_dim);
+  TANDEM_CHECK(
+      config.mode == CPMode::Auto && (config.ulysses_degree == 1 ||
+                                      config.ulysses_degree == static_cast<int64_t>(mesh.size())),
+      "[parallel::AsyncContextParallel] expected Ulysses (ulysses_degree == cp) or "
+      "all-gather KV (ulysses_degree == 1) without ring, got ulysses_degree {} on cp={}",
+      config.ulysses_degree, mesh.size());
+  TANDEM_CHECK(
+      config.seq_dim == 1 && config.head_dim == 2,
+      "[parallel::AsyncContextParallel] expected BSHD (seq_dim 1, head_dim 2), got {} and {}",
+      config.seq_dim, config.head_dim);
   std::shared_ptr<CPRuntime> rt = config.install(core, mesh, false);
   auto slots = std::make_shared<AsyncSlots>();
   const bool ulysses = rt->ds > 1;
@@ -685,7 +723,8 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
     }
     CPCallState s;
     s.lengths = lengths;
-    for (int64_t l : lengths) s.total += l;
+    for (int64_t l : lengths)
+      s.total += l;
     rt->set(s);
     pending.resize(3);
     for (int i = 0; i < 3; ++i) {
@@ -705,7 +744,8 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
         std::vector<Tensor> parts;
         int64_t offset = 0;
         for (int r = 0; r < cp; ++r) {
-          parts.push_back(reshape(narrow(raw, 0, offset, l.out_splits[r]), Shape{f, lengths[r], B}));
+          parts.push_back(
+              reshape(narrow(raw, 0, offset, l.out_splits[r]), Shape{f, lengths[r], B}));
           offset += l.out_splits[r];
         }
         Tensor joined = contiguous(transpose(cat(parts, 1), 0, 2));  // (B, S, F/cp)
@@ -713,7 +753,8 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
       } else {
         const int64_t block = *std::max_element(lengths.begin(), lengths.end());
         std::vector<Tensor> parts;
-        for (int r = 0; r < cp; ++r) parts.push_back(narrow(raw, 1, r * block, lengths[r]));
+        for (int r = 0; r < cp; ++r)
+          parts.push_back(narrow(raw, 1, r * block, lengths[r]));
         Tensor joined = cat(parts, 1);
         if (lb) {
           std::vector<Tensor> by_position(static_cast<size_t>(2 * cp));

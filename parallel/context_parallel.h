@@ -33,12 +33,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "autograd/nn/attention.h"
 #include "parallel/device_mesh.h"
+#include "parallel/dtensor.h"
 
 namespace tandem {
 
@@ -62,18 +63,27 @@ struct CPRuntime {
 };
 
 struct ContextParallel {
-  int64_t seq_dim = 1;   // of the Q/K/V tensors (BSHD)
+  int64_t seq_dim = 1;  // of the Q/K/V tensors (BSHD)
   int64_t head_dim = 2;
   int64_t ulysses_degree = 1;
-  std::vector<int> qkv_positions = {0, 1, 2};           // positional slots of q, k, v
+  std::vector<int> qkv_positions = {0, 1, 2};            // positional slots of q, k, v
   std::vector<std::string> qkv_names = {"q", "k", "v"};  // named slots (take precedence)
-  bool use_local_output = true;  // modules exchange local tensors; false is rejected
+  bool use_local_output = true;  // modules exchange local tensors; DTensors: attend()
   bool load_balance = false;
   CPMode mode = CPMode::Auto;
 
   // Registers the hooks (and, for ring / load-balanced layouts, the kernel)
   // on `core`. `mesh`: 1-D, or 2-D with dims named "co" and "ds" (hybrid).
   void apply(const std::shared_ptr<nn::CoreAttention>& core, const DeviceMesh& mesh) const;
+
+  // DTensor front end: q/k/v given as DTensors whose placement on `cp_dim` of
+  // their mesh is Shard(seq_dim) (other placements are redistributed to it,
+  // placements on other mesh dims — e.g. tensor-parallel Shard(head) — are
+  // kept). Calls `core` (which apply() prepared with the sub-mesh of that
+  // dim) on the local tensors. Returns the local output (wrapped with q's
+  // mesh and placements: a DTensor) — use to_local() when use_local_output.
+  DTensor attend(const std::shared_ptr<nn::CoreAttention>& core, const DTensor& q, const DTensor& k,
+                 const DTensor& v, const std::string& cp_dim) const;
 
   // apply() without the collectives of the pre-hook (AsyncContextParallel
   // launches them from the projections instead); returns the shared runtime.

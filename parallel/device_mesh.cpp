@@ -13,18 +13,19 @@ namespace tandem {
 
 struct MeshState {
   ProcessGroupPtr world;
-  std::vector<int64_t> shape;        // root shape
-  std::vector<std::string> names;    // root dim names
-  std::vector<int> ranks;            // root position (row-major) -> world group rank
-  std::vector<int64_t> coordinate;   // this rank's root coordinate
+  std::vector<int64_t> shape;       // root shape
+  std::vector<std::string> names;   // root dim names
+  std::vector<int> ranks;           // root position (row-major) -> world group rank
+  std::vector<int64_t> coordinate;  // this rank's root coordinate
   Device device;
   std::mutex mu;
-  std::map<std::vector<int>, ProcessGroupPtr> groups;      // by ordered root dims
-  std::map<std::string, std::vector<int>> flattened;       // name -> root dims
+  std::map<std::vector<int>, ProcessGroupPtr> groups;  // by ordered root dims
+  std::map<std::string, std::vector<int>> flattened;   // name -> root dims
 
   int64_t position(const std::vector<int64_t>& coord) const {
     int64_t p = 0;
-    for (size_t d = 0; d < shape.size(); ++d) p = p * shape[d] + coord[d];
+    for (size_t d = 0; d < shape.size(); ++d)
+      p = p * shape[d] + coord[d];
     return p;
   }
 };
@@ -65,7 +66,8 @@ DeviceMesh::DeviceMesh(ProcessGroupPtr world, std::vector<int64_t> shape,
   std::vector<int> sorted = ranks;
   std::sort(sorted.begin(), sorted.end());
   bool permutation = static_cast<int64_t>(ranks.size()) == n;
-  for (size_t i = 0; permutation && i < sorted.size(); ++i) permutation = sorted[i] == static_cast<int>(i);
+  for (size_t i = 0; permutation && i < sorted.size(); ++i)
+    permutation = sorted[i] == static_cast<int>(i);
   TANDEM_CHECK(permutation,
                "[parallel::DeviceMesh] expected the ranks to be a permutation of 0..{}, got [{}]",
                n - 1, fmt::join(ranks, ","));
@@ -75,8 +77,7 @@ DeviceMesh::DeviceMesh(ProcessGroupPtr world, std::vector<int64_t> shape,
   state->names = dim_names;
   state->ranks = ranks;
   state->device = device;
-  int64_t my_position =
-      std::find(ranks.begin(), ranks.end(), world->rank()) - ranks.begin();
+  int64_t my_position = std::find(ranks.begin(), ranks.end(), world->rank()) - ranks.begin();
   state->coordinate.resize(shape.size());
   for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
     state->coordinate[d] = my_position % shape[d];
@@ -87,7 +88,8 @@ DeviceMesh::DeviceMesh(ProcessGroupPtr world, std::vector<int64_t> shape,
     dims_.push_back(Dim{dim_names[d], {static_cast<int>(d)}, shape[d]});
   }
   // Note [Mesh groups]: every single-dim group, eagerly and in order.
-  for (size_t d = 0; d < shape.size(); ++d) group_for({static_cast<int>(d)});
+  for (size_t d = 0; d < shape.size(); ++d)
+    group_for({static_cast<int>(d)});
 }
 
 DeviceMesh::DeviceMesh(std::shared_ptr<MeshState> state, std::vector<Dim> dims)
@@ -95,11 +97,14 @@ DeviceMesh::DeviceMesh(std::shared_ptr<MeshState> state, std::vector<Dim> dims)
 
 int64_t DeviceMesh::size() const {
   int64_t n = 1;
-  for (const Dim& d : dims_) n *= d.size;
+  for (const Dim& d : dims_)
+    n *= d.size;
   return n;
 }
 
-int64_t DeviceMesh::size(const std::string& dim) const { return dims_[dim_index(dim)].size; }
+int64_t DeviceMesh::size(const std::string& dim) const {
+  return dims_[dim_index(dim)].size;
+}
 int64_t DeviceMesh::size(int dim) const {
   TANDEM_CHECK(dim >= 0 && dim < ndim(), "[parallel::DeviceMesh] expected dim in [0, {}), got {}",
                ndim(), dim);
@@ -108,17 +113,21 @@ int64_t DeviceMesh::size(int dim) const {
 
 std::vector<int64_t> DeviceMesh::shape() const {
   std::vector<int64_t> s;
-  for (const Dim& d : dims_) s.push_back(d.size);
+  for (const Dim& d : dims_)
+    s.push_back(d.size);
   return s;
 }
 
 std::vector<std::string> DeviceMesh::dim_names() const {
   std::vector<std::string> n;
-  for (const Dim& d : dims_) n.push_back(d.name);
+  for (const Dim& d : dims_)
+    n.push_back(d.name);
   return n;
 }
 
-Device DeviceMesh::device() const { return state_->device; }
+Device DeviceMesh::device() const {
+  return state_->device;
+}
 
 int DeviceMesh::dim_index(const std::string& name) const {
   for (int i = 0; i < ndim(); ++i) {
@@ -132,13 +141,16 @@ std::vector<int64_t> DeviceMesh::coordinate() const {
   std::vector<int64_t> c;
   for (const Dim& d : dims_) {
     int64_t index = 0;
-    for (int r : d.root_dims) index = index * state_->shape[r] + state_->coordinate[r];
+    for (int r : d.root_dims)
+      index = index * state_->shape[r] + state_->coordinate[r];
     c.push_back(index);
   }
   return c;
 }
 
-int DeviceMesh::get_local_rank(const std::string& dim) const { return get_local_rank(dim_index(dim)); }
+int DeviceMesh::get_local_rank(const std::string& dim) const {
+  return get_local_rank(dim_index(dim));
+}
 int DeviceMesh::get_local_rank(int dim) const {
   TANDEM_CHECK(dim >= 0 && dim < ndim(), "[parallel::DeviceMesh] expected dim in [0, {}), got {}",
                ndim(), dim);
@@ -177,12 +189,14 @@ std::vector<DeviceMesh::Dim> DeviceMesh::resolve(const std::vector<std::string>&
       auto it = state_->flattened.find(name);
       if (it != state_->flattened.end()) {
         int64_t size = 1;
-        for (int r : it->second) size *= state_->shape[r];
+        for (int r : it->second)
+          size *= state_->shape[r];
         flat = Dim{name, it->second, size};
         found = &flat;
       }
     }
-    TANDEM_CHECK(found != nullptr, "[parallel::DeviceMesh] expected one of the dims [{}], got \"{}\"",
+    TANDEM_CHECK(found != nullptr,
+                 "[parallel::DeviceMesh] expected one of the dims [{}], got \"{}\"",
                  fmt::join(dim_names(), ","), name);
     for (int r : found->root_dims) {
       TANDEM_CHECK(used.insert(r).second,
@@ -194,7 +208,9 @@ std::vector<DeviceMesh::Dim> DeviceMesh::resolve(const std::vector<std::string>&
   return out;
 }
 
-DeviceMesh DeviceMesh::slice(const std::string& dim) const { return slice(std::vector<std::string>{dim}); }
+DeviceMesh DeviceMesh::slice(const std::string& dim) const {
+  return slice(std::vector<std::string>{dim});
+}
 
 DeviceMesh DeviceMesh::slice(const std::vector<std::string>& dims) const {
   TANDEM_CHECK(!dims.empty(), "[parallel::DeviceMesh] expected at least one dim to slice");
@@ -203,12 +219,15 @@ DeviceMesh DeviceMesh::slice(const std::vector<std::string>& dims) const {
 
 DeviceMesh DeviceMesh::flatten(const std::string& name) const {
   std::vector<int> root_dims;
-  for (const Dim& d : dims_) root_dims.insert(root_dims.end(), d.root_dims.begin(), d.root_dims.end());
+  for (const Dim& d : dims_)
+    root_dims.insert(root_dims.end(), d.root_dims.begin(), d.root_dims.end());
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     for (const std::string& n : state_->names) {
-      TANDEM_CHECK(n != name, "[parallel::DeviceMesh::flatten] expected a new name, got \"{}\" "
-                              "(a dim of the mesh)", name);
+      TANDEM_CHECK(n != name,
+                   "[parallel::DeviceMesh::flatten] expected a new name, got \"{}\" "
+                   "(a dim of the mesh)",
+                   name);
     }
     auto it = state_->flattened.find(name);
     TANDEM_CHECK(it == state_->flattened.end() || it->second == root_dims,
@@ -218,7 +237,8 @@ DeviceMesh DeviceMesh::flatten(const std::string& name) const {
     state_->flattened[name] = root_dims;
   }
   int64_t size = 1;
-  for (int r : root_dims) size *= state_->shape[r];
+  for (int r : root_dims)
+    size *= state_->shape[r];
   DeviceMesh flat(state_, {Dim{name, root_dims, size}});
   flat.get_group();  // create its group now, in program order
   return flat;
@@ -239,10 +259,13 @@ ProcessGroupPtr DeviceMesh::group_for(const std::vector<int>& root_dims) const {
     if (std::find(root_dims.begin(), root_dims.end(), d) == root_dims.end()) others.push_back(d);
   }
   int64_t n_slices = 1, n_members = 1;
-  for (int d : others) n_slices *= s.shape[d];
-  for (int d : root_dims) n_members *= s.shape[d];
+  for (int d : others)
+    n_slices *= s.shape[d];
+  for (int d : root_dims)
+    n_members *= s.shape[d];
   std::string label;
-  for (int d : root_dims) label += (label.empty() ? "" : "+") + s.names[d];
+  for (int d : root_dims)
+    label += (label.empty() ? "" : "+") + s.names[d];
   ProcessGroupPtr mine;
   std::vector<int64_t> coord(static_cast<size_t>(nd));
   for (int64_t sl = 0; sl < n_slices; ++sl) {
@@ -290,7 +313,8 @@ int DeviceMesh::rank_at(const std::vector<int64_t>& coordinate) const {
 
 std::string DeviceMesh::str() const {
   std::vector<std::string> parts;
-  for (const Dim& d : dims_) parts.push_back(fmt::format("{}={}", d.name, d.size));
+  for (const Dim& d : dims_)
+    parts.push_back(fmt::format("{}={}", d.name, d.size));
   return fmt::format("DeviceMesh({})", fmt::join(parts, ", "));
 }
 

@@ -10,16 +10,20 @@ namespace tandem {
 
 std::string Placement::str() const {
   switch (kind) {
-    case Kind::Shard: return fmt::format("Shard({})", dim);
-    case Kind::Replicate: return "Replicate()";
-    case Kind::Partial: return fmt::format("Partial({})", red_op_name(op));
+    case Kind::Shard:
+      return fmt::format("Shard({})", dim);
+    case Kind::Replicate:
+      return "Replicate()";
+    case Kind::Partial:
+      return fmt::format("Partial({})", red_op_name(op));
   }
   return "?";
 }
 
 std::string placements_str(const Placements& p) {
   std::vector<std::string> parts;
-  for (const Placement& x : p) parts.push_back(x.str());
+  for (const Placement& x : p)
+    parts.push_back(x.str());
   return fmt::format("[{}]", fmt::join(parts, ", "));
 }
 

@@ -53,7 +53,9 @@ Tensor with_f(const DTensor& in, const Placements& out) {
 }
 
 // Output dim of input dim d of an operand of rank r broadcast to rank n.
-int64_t out_dim(int64_t d, int r, int n) { return d + (n - r); }
+int64_t out_dim(int64_t d, int r, int n) {
+  return d + (n - r);
+}
 
 enum class Kind { Add, Sub, Mul, Div };
 
@@ -73,7 +75,8 @@ DTensor elementwise(const DTensor& a0, const DTensor& b0, Kind kind, const char*
       if (pa.is_replicate() && pb.is_replicate()) {
         out[m] = Replicate();
       } else if (pa.is_shard() && pb.is_shard()) {
-        int64_t da = out_dim(pa.dim, a.shape().size(), n), db = out_dim(pb.dim, b.shape().size(), n);
+        int64_t da = out_dim(pa.dim, a.shape().size(), n),
+                db = out_dim(pb.dim, b.shape().size(), n);
         if (da == db) {
           out[m] = Shard(da);
         } else {
@@ -133,9 +136,11 @@ DTensor unary(const DTensor& x0, bool linear, const char* op, F f) {
 Dims sorted_dims(const Dims& dims, int ndim, const char* op) {
   Dims out;
   if (dims.empty()) {
-    for (int i = 0; i < ndim; ++i) out.push_back(i);
+    for (int i = 0; i < ndim; ++i)
+      out.push_back(i);
   } else {
-    for (int64_t d : dims) out.push_back(wrap_dim(d, ndim, op));
+    for (int64_t d : dims)
+      out.push_back(wrap_dim(d, ndim, op));
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -150,10 +155,18 @@ Tensor all_reduce_grad(const Tensor& x, const ProcessGroupPtr& group) {
   return Function::apply(f, {x})[0];
 }
 
-DTensor add(const DTensor& a, const DTensor& b) { return elementwise(a, b, Kind::Add, "add"); }
-DTensor sub(const DTensor& a, const DTensor& b) { return elementwise(a, b, Kind::Sub, "sub"); }
-DTensor mul(const DTensor& a, const DTensor& b) { return elementwise(a, b, Kind::Mul, "mul"); }
-DTensor div(const DTensor& a, const DTensor& b) { return elementwise(a, b, Kind::Div, "div"); }
+DTensor add(const DTensor& a, const DTensor& b) {
+  return elementwise(a, b, Kind::Add, "add");
+}
+DTensor sub(const DTensor& a, const DTensor& b) {
+  return elementwise(a, b, Kind::Sub, "sub");
+}
+DTensor mul(const DTensor& a, const DTensor& b) {
+  return elementwise(a, b, Kind::Mul, "mul");
+}
+DTensor div(const DTensor& a, const DTensor& b) {
+  return elementwise(a, b, Kind::Div, "div");
+}
 DTensor mul(const DTensor& a, double s) {
   return unary(a, true, "mul", [s](const Tensor& t) { return tandem::mul(t, s); });
 }
@@ -180,12 +193,15 @@ DTensor matmul(const DTensor& a0, const DTensor& b0) {
   check_same_mesh(a0, b0, "matmul");
   DTensor a = a0, b = b0;
   const int ra = a.shape().size(), rb = b.shape().size();
-  TANDEM_CHECK(ra >= 2 && rb >= 2, "[parallel::matmul] expected operands of rank >= 2, got {} and {}",
-               a.shape(), b.shape());
+  TANDEM_CHECK(ra >= 2 && rb >= 2,
+               "[parallel::matmul] expected operands of rank >= 2, got {} and {}", a.shape(),
+               b.shape());
   // Global output shape.
   Shape ba, bb;
-  for (int i = 0; i < ra - 2; ++i) ba.push_back(a.shape()[i]);
-  for (int i = 0; i < rb - 2; ++i) bb.push_back(b.shape()[i]);
+  for (int i = 0; i < ra - 2; ++i)
+    ba.push_back(a.shape()[i]);
+  for (int i = 0; i < rb - 2; ++i)
+    bb.push_back(b.shape()[i]);
   Shape shape = broadcast_shapes(ba, bb, "matmul");
   shape.push_back(a.shape()[ra - 2]);
   shape.push_back(b.shape()[rb - 1]);
@@ -251,7 +267,8 @@ DTensor sum(const DTensor& t, const Dims& dims, bool keepdim) {
       p = Partial();
     } else if (!keepdim) {
       int64_t shift = 0;
-      for (int64_t d : reduced) shift += d < p.dim ? 1 : 0;
+      for (int64_t d : reduced)
+        shift += d < p.dim ? 1 : 0;
       p = Shard(p.dim - shift);
     }
   }
@@ -277,7 +294,8 @@ DTensor sum(const DTensor& t, const Dims& dims, bool keepdim) {
 DTensor mean(const DTensor& t, const Dims& dims, bool keepdim) {
   Dims reduced = sorted_dims(dims, t.shape().size(), "mean");
   int64_t count = 1;
-  for (int64_t d : reduced) count *= t.shape()[d];
+  for (int64_t d : reduced)
+    count *= t.shape()[d];
   return mul(sum(t, dims, keepdim), count > 0 ? 1.0 / static_cast<double>(count) : 0.0);
 }
 
@@ -294,7 +312,8 @@ DTensor whole_along(const DTensor& t, int64_t dim, const char* op) {
 
 DTensor replicated(const DTensor& t, const char* op) {
   DTensor x = t;
-  for (int m = 0; m < x.mesh().ndim(); ++m) x = move(x, m, Replicate(), op);
+  for (int m = 0; m < x.mesh().ndim(); ++m)
+    x = move(x, m, Replicate(), op);
   return x;
 }
 }  // namespace
@@ -340,8 +359,8 @@ DTensor embedding(const DTensor& weight, const DTensor& indices0) {
       out[m] = Shard(ro - 1);
     } else if (pw.is_shard(0) && idx.placements()[m].is_replicate()) {
       // Vocab-parallel: this rank owns rows [start, start + len); others give 0.
-      auto [start, len] = chunk_range(weight.shape()[0], weight.mesh().size(m),
-                                      weight.mesh().coordinate()[m]);
+      auto [start, len] =
+          chunk_range(weight.shape()[0], weight.mesh().size(m), weight.mesh().coordinate()[m]);
       Tensor shifted = ops::sub(ops::to(local_idx, DType::I64), static_cast<double>(start));
       Tensor owned = ops::mul(ops::to(ops::ge(shifted, 0.0), DType::I64),
                               ops::to(ops::lt(shifted, static_cast<double>(len)), DType::I64));
@@ -349,10 +368,11 @@ DTensor embedding(const DTensor& weight, const DTensor& indices0) {
       mask = ops::to(ops::unsqueeze(owned, -1), w.dtype());
       out[m] = Partial();
     } else {
-      TANDEM_FAIL("[parallel::embedding] expected a Replicate, Shard(0) or Shard(1) table with "
-                  "Replicate indices (or a Replicate table), got table {} and indices {} on mesh "
-                  "dim {}",
-                  pw.str(), idx.placements()[m].str(), m);
+      TANDEM_FAIL(
+          "[parallel::embedding] expected a Replicate, Shard(0) or Shard(1) table with "
+          "Replicate indices (or a Replicate table), got table {} and indices {} on mesh "
+          "dim {}",
+          pw.str(), idx.placements()[m].str(), m);
     }
   }
   Tensor wl = with_f(DTensor::make(w, weight.mesh(), weight.placements(), weight.shape()), out);
@@ -379,7 +399,8 @@ DTensor reshape(const DTensor& t0, const Shape& shape_in) {
                "[parallel::reshape] expected a shape of {} elements, got {}", in.numel(), shape);
   auto prefix = [](const Shape& s, int d) {
     int64_t p = 1;
-    for (int i = 0; i < d; ++i) p *= s[i];
+    for (int i = 0; i < d; ++i)
+      p *= s[i];
     return p;
   };
   Placements out = t.placements();
@@ -388,7 +409,8 @@ DTensor reshape(const DTensor& t0, const Shape& shape_in) {
     if (!p.is_shard()) continue;
     int found = -1;
     for (int j = 0; j < shape.size(); ++j) {
-      if (shape[j] == in[p.dim] && prefix(shape, j) == prefix(in, static_cast<int>(p.dim))) found = j;
+      if (shape[j] == in[p.dim] && prefix(shape, j) == prefix(in, static_cast<int>(p.dim)))
+        found = j;
     }
     if (found < 0) {
       t = move(t, m, Replicate(), "reshape");
@@ -401,7 +423,9 @@ DTensor reshape(const DTensor& t0, const Shape& shape_in) {
   return DTensor::make(tandem::reshape(t.to_local(), local_shape), t.mesh(), out, shape);
 }
 
-DTensor view(const DTensor& t, const Shape& shape) { return reshape(t, shape); }
+DTensor view(const DTensor& t, const Shape& shape) {
+  return reshape(t, shape);
+}
 
 DTensor permute(const DTensor& t, const Dims& dims) {
   const int n = t.shape().size();
@@ -423,7 +447,8 @@ DTensor permute(const DTensor& t, const Dims& dims) {
 DTensor transpose(const DTensor& t, int64_t dim0, int64_t dim1) {
   const int n = t.shape().size();
   Dims order = Dims::filled(n, 0);
-  for (int i = 0; i < n; ++i) order[i] = i;
+  for (int i = 0; i < n; ++i)
+    order[i] = i;
   std::swap(order[wrap_dim(dim0, n, "transpose")], order[wrap_dim(dim1, n, "transpose")]);
   return permute(t, order);
 }

@@ -68,7 +68,8 @@ struct ReduceScatterDim final : Function {
       pieces.push_back(pad_to(ops::narrow(in[0], dim, offset, lengths[r]), dim, block));
       offset += lengths[r];
     }
-    WorkPtr w = group->reduce_scatter(ops::cat(pieces, dim), {RedOp::Sum, dim, "reduce_scatter_dim"});
+    WorkPtr w =
+        group->reduce_scatter(ops::cat(pieces, dim), {RedOp::Sum, dim, "reduce_scatter_dim"});
     w->wait();
     return {ops::contiguous(ops::narrow(w->result(), dim, 0, lengths[me]))};
   }
@@ -99,8 +100,10 @@ PendingTensor launch_all_to_all_dims(const Tensor& x, const ProcessGroupPtr& gro
   const int n = group->size(), me = group->rank();
   const int sd = wrap_dim(scatter_dim, x.dim(), "all_to_all_dims");
   const int gd = wrap_dim(gather_dim, x.dim(), "all_to_all_dims");
-  TANDEM_CHECK(sd != gd, "[parallel::all_to_all_dims] expected different scatter and gather dims, "
-                         "got {} twice", sd);
+  TANDEM_CHECK(sd != gd,
+               "[parallel::all_to_all_dims] expected different scatter and gather dims, "
+               "got {} twice",
+               sd);
   std::vector<int64_t> sl = scatter_lengths_in.empty()
                                 ? even(x.shape()[sd], n, "all_to_all_dims", sd)
                                 : scatter_lengths_in;
@@ -113,7 +116,8 @@ PendingTensor launch_all_to_all_dims(const Tensor& x, const ProcessGroupPtr& gro
                "length {} to match its tensor {}, got {} scatter / {} gather lengths",
                n, me < static_cast<int>(gl.size()) ? gl[me] : -1, x.shape(), sl.size(), gl.size());
   int64_t total = 0;
-  for (int64_t v : sl) total += v;
+  for (int64_t v : sl)
+    total += v;
   TANDEM_CHECK(total == x.shape()[sd],
                "[parallel::all_to_all_dims] expected scatter lengths summing to {} (dim {} of {}), "
                "got {}",
@@ -162,11 +166,12 @@ PendingTensor launch_all_gather_dim(const Tensor& x, const ProcessGroupPtr& grou
   const int64_t block = *std::max_element(lengths.begin(), lengths.end());
   WorkPtr w = group->all_gather(pad_to(x, d, block), {d, "all_gather_dim"});
   return {w, [=](const Tensor& y) {
-            bool even_lengths = std::all_of(lengths.begin(), lengths.end(),
-                                            [&](int64_t l) { return l == block; });
+            bool even_lengths =
+                std::all_of(lengths.begin(), lengths.end(), [&](int64_t l) { return l == block; });
             if (even_lengths) return y;
             std::vector<Tensor> parts;
-            for (int r = 0; r < n; ++r) parts.push_back(ops::narrow(y, d, r * block, lengths[r]));
+            for (int r = 0; r < n; ++r)
+              parts.push_back(ops::narrow(y, d, r * block, lengths[r]));
             return ops::cat(parts, d);
           }};
 }
@@ -193,9 +198,9 @@ Tensor all_gather_dim(const Tensor& x, const ProcessGroupPtr& group, int64_t dim
   auto f = std::make_shared<AllGatherDim>();
   f->group = group;
   f->dim = wrap_dim(dim, x.dim(), "all_gather_dim");
-  f->lengths = lengths.empty() ? std::vector<int64_t>(static_cast<size_t>(group->size()),
-                                                      x.shape()[f->dim])
-                               : lengths;
+  f->lengths = lengths.empty()
+                   ? std::vector<int64_t>(static_cast<size_t>(group->size()), x.shape()[f->dim])
+                   : lengths;
   return Function::apply(f, {x})[0];
 }
 
@@ -204,13 +209,16 @@ Tensor reduce_scatter_dim(const Tensor& x, const ProcessGroupPtr& group, int64_t
   auto f = std::make_shared<ReduceScatterDim>();
   f->group = group;
   f->dim = wrap_dim(dim, x.dim(), "reduce_scatter_dim");
-  f->lengths = lengths.empty() ? even(x.shape()[f->dim], group->size(), "reduce_scatter_dim", f->dim)
-                               : lengths;
+  f->lengths = lengths.empty()
+                   ? even(x.shape()[f->dim], group->size(), "reduce_scatter_dim", f->dim)
+                   : lengths;
   int64_t total = 0;
-  for (int64_t l : f->lengths) total += l;
-  TANDEM_CHECK(total == x.shape()[f->dim],
-               "[parallel::reduce_scatter_dim] expected lengths summing to {} (dim {} of {}), got {}",
-               x.shape()[f->dim], f->dim, x.shape(), total);
+  for (int64_t l : f->lengths)
+    total += l;
+  TANDEM_CHECK(
+      total == x.shape()[f->dim],
+      "[parallel::reduce_scatter_dim] expected lengths summing to {} (dim {} of {}), got {}",
+      x.shape()[f->dim], f->dim, x.shape(), total);
   return Function::apply(f, {x})[0];
 }
 

@@ -18,8 +18,8 @@ namespace tandem {
 struct Placement {
   enum class Kind : uint8_t { Shard, Replicate, Partial };
   Kind kind = Kind::Replicate;
-  int64_t dim = 0;         // Shard: the tensor dim (non-negative once normalised)
-  RedOp op = RedOp::Sum;   // Partial: how the pending values combine
+  int64_t dim = 0;        // Shard: the tensor dim (non-negative once normalised)
+  RedOp op = RedOp::Sum;  // Partial: how the pending values combine
 
   bool is_shard() const { return kind == Kind::Shard; }
   bool is_shard(int64_t d) const { return kind == Kind::Shard && dim == d; }
@@ -36,9 +36,15 @@ struct Placement {
 };
 
 // Placement constructors, spelled as in DESIGN §6 and PyTorch.
-inline Placement Shard(int64_t dim) { return {Placement::Kind::Shard, dim, RedOp::Sum}; }
-inline Placement Replicate() { return {Placement::Kind::Replicate, 0, RedOp::Sum}; }
-inline Placement Partial(RedOp op = RedOp::Sum) { return {Placement::Kind::Partial, 0, op}; }
+inline Placement Shard(int64_t dim) {
+  return {Placement::Kind::Shard, dim, RedOp::Sum};
+}
+inline Placement Replicate() {
+  return {Placement::Kind::Replicate, 0, RedOp::Sum};
+}
+inline Placement Partial(RedOp op = RedOp::Sum) {
+  return {Placement::Kind::Partial, 0, op};
+}
 
 using Placements = std::vector<Placement>;
 std::string placements_str(const Placements& p);

@@ -35,8 +35,8 @@ struct Step {
   RedOp op = RedOp::Sum;
 
   std::string str() const {
-    static const char* names[] = {"all_gather", "all_reduce", "reduce_scatter", "all_to_all",
-                                  "chunk", "make_partial"};
+    static const char* names[] = {"all_gather", "all_reduce", "reduce_scatter",
+                                  "all_to_all", "chunk",      "make_partial"};
     std::string s = fmt::format("{}(mesh dim {}", names[static_cast<int>(kind)], mesh_dim);
     if (kind == Kind::AllToAll) s += fmt::format(", dim {} -> {}", dim, dim2);
     if (kind == Kind::AllGather || kind == Kind::ReduceScatter || kind == Kind::Chunk) {
@@ -107,7 +107,8 @@ std::vector<Step> make_plan(const Placements& from, const Placements& to) {
   }
   for (int m = 0; m < n; ++m) {
     if (cur[m] == to[m]) continue;
-    TANDEM_INTERNAL_ASSERT(cur[m].is_replicate(), "planner left {} on mesh dim {}", cur[m].str(), m);
+    TANDEM_INTERNAL_ASSERT(cur[m].is_replicate(), "planner left {} on mesh dim {}", cur[m].str(),
+                           m);
     if (to[m].is_shard()) {
       steps.push_back({Step::Kind::Chunk, m, to[m].dim});
     } else {
@@ -184,7 +185,9 @@ Launched launch_step(const Step& s, const Tensor& x, const Shape& global, const 
       const int64_t chunk = (extent + k - 1) / k;
       WorkPtr w = group->all_gather(pad_dim(x, s.dim, chunk), {s.dim, "redistribute"});
       const int64_t d = s.dim;
-      return {w, [d, extent](const Tensor& y) { return ops::contiguous(ops::narrow(y, d, 0, extent)); }};
+      return {w, [d, extent](const Tensor& y) {
+                return ops::contiguous(ops::narrow(y, d, 0, extent));
+              }};
     }
     case Step::Kind::AllReduce: {
       WorkPtr w = group->all_reduce(x, {s.op, "redistribute"});
@@ -193,7 +196,8 @@ Launched launch_step(const Step& s, const Tensor& x, const Shape& global, const 
     case Step::Kind::ReduceScatter: {
       const int64_t extent = x.shape()[s.dim];
       const int64_t chunk = (extent + k - 1) / k;
-      WorkPtr w = group->reduce_scatter(pad_dim(x, s.dim, chunk * k), {s.op, s.dim, "redistribute"});
+      WorkPtr w =
+          group->reduce_scatter(pad_dim(x, s.dim, chunk * k), {s.op, s.dim, "redistribute"});
       const int64_t len = chunk_range(extent, k, me).second, d = s.dim;
       return {w, [d, len](const Tensor& y) { return ops::contiguous(ops::narrow(y, d, 0, len)); }};
     }
@@ -221,7 +225,9 @@ Launched launch_step(const Step& s, const Tensor& x, const Shape& global, const 
         Shape piece = x.shape();
         piece[d2] = len;
         const int64_t n = len * slab;
-        if (n > 0) ops::copy_(ops::reshape(ops::narrow(send, 0, offset, n), piece), ops::narrow(x, d2, start, len));
+        if (n > 0)
+          ops::copy_(ops::reshape(ops::narrow(send, 0, offset, n), piece),
+                     ops::narrow(x, d2, start, len));
         in_splits.push_back(n);
         offset += n;
         out_splits.push_back(my_rows * chunk_range(full_d, k, r).second * per_d);
@@ -270,11 +276,19 @@ Tensor run_step(const Step& s, const Tensor& x, const Shape& global, const Place
 Placements apply_step(Placements cur, const Step& s) {
   switch (s.kind) {
     case Step::Kind::AllGather:
-    case Step::Kind::AllReduce: cur[s.mesh_dim] = Replicate(); break;
+    case Step::Kind::AllReduce:
+      cur[s.mesh_dim] = Replicate();
+      break;
     case Step::Kind::ReduceScatter:
-    case Step::Kind::Chunk: cur[s.mesh_dim] = Shard(s.dim); break;
-    case Step::Kind::AllToAll: cur[s.mesh_dim] = Shard(s.dim2); break;
-    case Step::Kind::MakePartial: cur[s.mesh_dim] = Partial(s.op); break;
+    case Step::Kind::Chunk:
+      cur[s.mesh_dim] = Shard(s.dim);
+      break;
+    case Step::Kind::AllToAll:
+      cur[s.mesh_dim] = Shard(s.dim2);
+      break;
+    case Step::Kind::MakePartial:
+      cur[s.mesh_dim] = Partial(s.op);
+      break;
   }
   return cur;
 }
@@ -351,7 +365,8 @@ Tensor DTensor::full_tensor() const {
 std::vector<std::string> redistribute_plan(const Shape& global, const Placements& from,
                                            const Placements& to, const DeviceMesh& mesh) {
   std::vector<std::string> out;
-  for (const Step& s : cached_plan(from, to)) out.push_back(s.str());
+  for (const Step& s : cached_plan(from, to))
+    out.push_back(s.str());
   (void)global;
   (void)mesh;
   return out;
@@ -360,7 +375,9 @@ std::vector<std::string> redistribute_plan(const Shape& global, const Placements
 PendingDTensor::PendingDTensor(DTensor source, Placements target)
     : source_(std::move(source)), target_(std::move(target)) {}
 
-bool PendingDTensor::ready() const { return !work_ || work_->is_completed(); }
+bool PendingDTensor::ready() const {
+  return !work_ || work_->is_completed();
+}
 
 DTensor PendingDTensor::wait() {
   if (!work_) return source_;  // already complete (synchronous path)

@@ -71,8 +71,8 @@ void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
     return a;
   });
   module.register_forward_hook(
-      [mesh, out_layout](Module&, const Args&, const std::vector<Tensor>& outs)
-          -> std::optional<std::vector<Tensor>> {
+      [mesh, out_layout](Module&, const Args&,
+                         const std::vector<Tensor>& outs) -> std::optional<std::vector<Tensor>> {
         std::vector<Tensor> o = outs;
         Placement want = normalised(out_layout, o[0].dim());
         Placement have = Shard(o[0].dim() - 1);
@@ -95,8 +95,9 @@ void RowwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
   });
   nn::Linear* lin = &linear;  // the hook belongs to this module; it outlives the hook
   module.register_forward_hook(
-      [mesh, out_layout, lin](Module&, const Args&, const std::vector<Tensor>& outs)
-          -> std::optional<std::vector<Tensor>> {
+      [mesh, out_layout, lin](
+          Module&, const Args&,
+          const std::vector<Tensor>& outs) -> std::optional<std::vector<Tensor>> {
         std::vector<Tensor> o = outs;
         Placement want = normalised(out_layout, o[0].dim());
         // Partial -> want; the shape of a partial tensor is the global one.
@@ -132,30 +133,33 @@ void PrepareModuleInput::apply(Module& module, const DeviceMesh& mesh) const {
                "and {}",
                input_layouts.size(), desired_input_layouts.size());
   auto from = input_layouts, to = desired_input_layouts;
-  module.register_forward_pre_hook([mesh, from, to](Module&, const Args& args) -> std::optional<Args> {
-    Args a = args;
-    for (size_t i = 0; i < from.size() && i < a.positional.size(); ++i) {
-      if (!from[i] || !to[i]) continue;
-      Tensor& x = a.positional[i];
-      Placement f = normalised(*from[i], x.dim()), t = normalised(*to[i], x.dim());
-      x = relayout(x, f, t, mesh);
-    }
-    return a;
-  });
+  module.register_forward_pre_hook(
+      [mesh, from, to](Module&, const Args& args) -> std::optional<Args> {
+        Args a = args;
+        for (size_t i = 0; i < from.size() && i < a.positional.size(); ++i) {
+          if (!from[i] || !to[i]) continue;
+          Tensor& x = a.positional[i];
+          Placement f = normalised(*from[i], x.dim()), t = normalised(*to[i], x.dim());
+          x = relayout(x, f, t, mesh);
+        }
+        return a;
+      });
 }
 
 void PrepareModuleOutput::apply(Module& module, const DeviceMesh& mesh) const {
   check_1d(mesh, "PrepareModuleOutput");
   auto from = output_layouts, to = desired_output_layouts;
-  module.register_forward_hook([mesh, from, to](Module&, const Args&, const std::vector<Tensor>& outs)
-                                   -> std::optional<std::vector<Tensor>> {
-    std::vector<Tensor> o = outs;
-    for (size_t i = 0; i < from.size() && i < o.size(); ++i) {
-      if (!from[i] || i >= to.size() || !to[i]) continue;
-      o[i] = relayout(o[i], normalised(*from[i], o[i].dim()), normalised(*to[i], o[i].dim()), mesh);
-    }
-    return o;
-  });
+  module.register_forward_hook(
+      [mesh, from, to](Module&, const Args&,
+                       const std::vector<Tensor>& outs) -> std::optional<std::vector<Tensor>> {
+        std::vector<Tensor> o = outs;
+        for (size_t i = 0; i < from.size() && i < o.size(); ++i) {
+          if (!from[i] || i >= to.size() || !to[i]) continue;
+          o[i] = relayout(o[i], normalised(*from[i], o[i].dim()), normalised(*to[i], o[i].dim()),
+                          mesh);
+        }
+        return o;
+      });
 }
 
 std::shared_ptr<ParallelStyle> colwise(Placement input, Placement output) {

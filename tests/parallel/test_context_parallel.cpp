@@ -5,9 +5,9 @@
 #include "autograd/nn/attention.h"
 #include "autograd/ops.h"
 #include "comm/threads/threads_backend.h"
-#include "tests/support/rank_checks.h"
 #include "parallel/context_parallel.h"
 #include "parallel/tensor_parallel.h"
+#include "tests/support/rank_checks.h"
 
 using namespace tandem;
 
@@ -26,8 +26,8 @@ struct Case {
 };
 
 std::string describe(const Case& c) {
-  return fmt::format("{} cp={} ds={} causal={} lb={} S={} H={} Hkv={}", c.name, c.cp, c.ds, c.causal,
-                     c.load_balance, c.seq, c.heads, c.kv_heads);
+  return fmt::format("{} cp={} ds={} causal={} lb={} S={} H={} Hkv={}", c.name, c.cp, c.ds,
+                     c.causal, c.load_balance, c.seq, c.heads, c.kv_heads);
 }
 
 void check_case(const Case& c) {
@@ -44,7 +44,8 @@ void check_case(const Case& c) {
   // Reference: one rank, whole sequence.
   auto ref = std::make_shared<nn::CoreAttention>(options);
   Tensor qr = ops::clone(q), kr = ops::clone(k), vr = ops::clone(v);
-  for (Tensor* t : {&qr, &kr, &vr}) set_requires_grad(*t);
+  for (Tensor* t : {&qr, &kr, &vr})
+    set_requires_grad(*t);
   Tensor out_ref = ref->call(Args{qr, kr, vr})[0];
   backward(sum(mul(out_ref, w)));
 
@@ -60,7 +61,8 @@ void check_case(const Case& c) {
     config.apply(core, mesh);
     auto shard = [&](const Tensor& t) { return shard_sequence(t, 1, c.cp, r, c.load_balance); };
     Tensor ql = shard(q), kl = shard(k), vl = shard(v);
-    for (Tensor* t : {&ql, &kl, &vl}) set_requires_grad(*t);
+    for (Tensor* t : {&ql, &kl, &vl})
+      set_requires_grad(*t);
     Tensor out = core->call(Args{ql, kl, vl})[0];
     backward(sum(mul(out, shard(w))));
     std::string e;
@@ -75,7 +77,8 @@ void check_case(const Case& c) {
     same("dv", grad(vl), shard(grad(vr)));
     errors[r] = e;
   });
-  for (const std::string& e : errors) CHECK(e.empty());
+  for (const std::string& e : errors)
+    CHECK(e.empty());
   for (const std::string& e : errors) {
     if (!e.empty()) WARN(e);
   }
@@ -98,7 +101,9 @@ TEST_CASE("context parallel modes equal single-rank attention", "[cp]") {
     cases.push_back({"hybrid", 4, 2, false, false, causal, 16, 4, 4});
   }
   for (const Case& c : cases) {
-    SECTION(describe(c)) { check_case(c); }
+    SECTION(describe(c)) {
+      check_case(c);
+    }
   }
 }
 
@@ -116,7 +121,9 @@ TEST_CASE("context parallel with grouped-query heads and uneven lengths", "[cp]"
       {"hybrid-uneven", 4, 2, false, false, true, 14, 4, 4},
   };
   for (const Case& c : cases) {
-    SECTION(describe(c)) { check_case(c); }
+    SECTION(describe(c)) {
+      check_case(c);
+    }
   }
 }
 
@@ -185,7 +192,8 @@ TEST_CASE("context parallel rejects impossible layouts", "[cp]") {
   rc.report();
 }
 
-TEST_CASE("async context parallel equals the sync variant and single-rank attention", "[cp][async]") {
+TEST_CASE("async context parallel equals the sync variant and single-rank attention",
+          "[cp][async]") {
   struct AsyncCase {
     int cp;
     int ds;
@@ -259,7 +267,8 @@ TEST_CASE("async context parallel equals the sync variant and single-rank attent
                : 1;
       bad[r] = b;
     });
-    for (int b : bad) CHECK(b == 0);
+    for (int b : bad)
+      CHECK(b == 0);
   }
 }
 
@@ -286,7 +295,9 @@ TEST_CASE("context parallel composes with tensor parallel on a (cp, tp) mesh", "
       Generator g(1);
       auto attn = std::make_shared<nn::SelfAttention>(d, H, 4, true, g);
       parallelize_module(attn, tp,
-                         {{"q_proj", colwise()}, {"k_proj", colwise()}, {"v_proj", colwise()},
+                         {{"q_proj", colwise()},
+                          {"k_proj", colwise()},
+                          {"v_proj", colwise()},
                           {"o_proj", rowwise()}});
       ContextParallel config;
       config.ulysses_degree = ds;
@@ -310,6 +321,33 @@ TEST_CASE("context parallel composes with tensor parallel on a (cp, tp) mesh", "
       }
       bad[pg->rank()] = b;
     });
-    for (int b : bad) CHECK(b == 0);
+    for (int b : bad)
+      CHECK(b == 0);
   }
+}
+
+TEST_CASE("context parallel takes DTensors and keeps their other placements", "[cp]") {
+  // A (cp, tp) mesh: q/k/v sharded by sequence on cp and by heads on tp; the
+  // output comes back with the same placements.
+  Generator gen(17);
+  const int64_t S = 12, H = 4, D = 8;
+  Tensor q = ops::randn({1, S, H, D}, gen), k = ops::randn({1, S, H, D}, gen),
+         v = ops::randn({1, S, H, D}, gen);
+  AttentionOptions options;
+  options.causal = true;
+  Tensor want = nn::CoreAttention(options).call(Args{q, k, v})[0];
+  tandem::testing::RankChecks rc;
+  run_ranks(4, [&](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {2, 2}, {"cp", "tp"});
+    auto core = std::make_shared<nn::CoreAttention>(options);
+    ContextParallel config;
+    config.apply(core, mesh.slice("cp"));
+    Placements p = {Replicate(), Shard(2)};  // replicated over cp: attend shards it
+    DTensor out =
+        config.attend(core, DTensor::distribute(q, mesh, p), DTensor::distribute(k, mesh, p),
+                      DTensor::distribute(v, mesh, p), "cp");
+    RANK_CHECK(rc, out.placements()[0] == Shard(1) && out.placements()[1] == Shard(2));
+    RANK_CHECK(rc, ops::allclose(out.full_tensor(), want, 1e-5, 1e-5));
+  });
+  rc.report();
 }

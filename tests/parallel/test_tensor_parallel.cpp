@@ -5,9 +5,9 @@
 #include "autograd/nn/transformer.h"
 #include "autograd/ops.h"
 #include "comm/threads/threads_backend.h"
-#include "tests/support/rank_checks.h"
 #include "parallel/dtensor_ops.h"
 #include "parallel/tensor_parallel.h"
+#include "tests/support/rank_checks.h"
 
 using namespace tandem;
 
@@ -76,7 +76,8 @@ TEST_CASE("tensor-parallel transformer block equals the single-rank block", "[tp
           }
           failures[pg->rank()] = bad;
         });
-        for (int f : failures) CHECK(f == 0);
+        for (int f : failures)
+          CHECK(f == 0);
       }
     }
   }
@@ -106,10 +107,12 @@ TEST_CASE("column- then row-parallel linears with a bias", "[tp]") {
     backward(sum(mul(y, y)));
     RANK_CHECK(rc, close(y, yr));
     RANK_CHECK(rc, close(grad(xl), grad(xr), 1e-5, 1e-5));
-    RANK_CHECK(rc, close(grad(la->bias()), DTensor::distribute(grad(a->bias()), mesh, {Shard(0)}).to_local()));
+    RANK_CHECK(rc, close(grad(la->bias()),
+                         DTensor::distribute(grad(a->bias()), mesh, {Shard(0)}).to_local()));
     RANK_CHECK(rc, close(grad(lb->bias()), grad(b->bias())));  // added once, after the reduction
-    RANK_CHECK(rc, close(grad(lb->weight()),
-                DTensor::distribute(grad(b->weight()), mesh, {Shard(1)}).to_local(), 1e-5, 1e-6));
+    RANK_CHECK(
+        rc, close(grad(lb->weight()),
+                  DTensor::distribute(grad(b->weight()), mesh, {Shard(1)}).to_local(), 1e-5, 1e-6));
   });
   rc.report();
 }
@@ -144,7 +147,8 @@ TEST_CASE("DTensor ops derive placements and match the full computation", "[tp][
     RANK_CHECK(rc, m2.placements()[0] == Shard(1));
     DTensor m3 = matmul(dist(A, Shard(1)), dist(B, Shard(0)));
     RANK_CHECK(rc, m3.placements()[0].is_partial());
-    for (const DTensor& m : {m1, m2, m3}) RANK_CHECK(rc, close(m.full_tensor(), ops::matmul(A, B)));
+    for (const DTensor& m : {m1, m2, m3})
+      RANK_CHECK(rc, close(m.full_tensor(), ops::matmul(A, B)));
     // No rule (row-sharded a with column-sharded b): b is gathered, result still right.
     DTensor m4 = matmul(dist(A, Shard(0)), dist(B, Shard(1)));
     RANK_CHECK(rc, close(m4.full_tensor(), ops::matmul(A, B)));
@@ -164,11 +168,12 @@ TEST_CASE("DTensor ops derive placements and match the full computation", "[tp][
     DTensor sm = softmax(dist(A, Shard(1)), -1);
     RANK_CHECK(rc, sm.placements()[0].is_replicate());
     RANK_CHECK(rc, close(sm.full_tensor(), ops::softmax(A, -1)));
-    RANK_CHECK(rc, close(layer_norm(dist(A, Shard(0)), dist(w, Replicate()), dist(bias, Replicate()))
-                    .full_tensor(),
-                ops::layer_norm(A, w, bias).out, 1e-5, 1e-5));
+    RANK_CHECK(rc,
+               close(layer_norm(dist(A, Shard(0)), dist(w, Replicate()), dist(bias, Replicate()))
+                         .full_tensor(),
+                     ops::layer_norm(A, w, bias).out, 1e-5, 1e-5));
     RANK_CHECK(rc, close(rms_norm(dist(A, Shard(0)), dist(w, Replicate())).full_tensor(),
-                ops::rms_norm(A, w).out, 1e-5, 1e-5));
+                         ops::rms_norm(A, w).out, 1e-5, 1e-5));
 
     // Embedding: replicated table with sharded indices, column- and vocab-parallel tables.
     Tensor idx = ops::from_vector<int64_t>({6, 0, 3, 3, 5, 1}, {6});
@@ -179,7 +184,8 @@ TEST_CASE("DTensor ops derive placements and match the full computation", "[tp][
     RANK_CHECK(rc, e2.placements()[0] == Shard(1));
     DTensor e3 = embedding(dist(table, Shard(0)), dist(idx, Replicate()));
     RANK_CHECK(rc, e3.placements()[0].is_partial());
-    for (const DTensor& e : {e1, e2, e3}) RANK_CHECK(rc, close(e.full_tensor(), want));
+    for (const DTensor& e : {e1, e2, e3})
+      RANK_CHECK(rc, close(e.full_tensor(), want));
 
     // reshape keeps a shard whose dim survives; transpose moves it.
     DTensor t3 = DTensor::distribute(ops::reshape(A, {6, 2, 2}), mesh, {Shard(0)});
@@ -216,8 +222,10 @@ TEST_CASE("gradients through DTensor ops follow the convention", "[tp][dtensor-o
       backward(sum(full));
       // Each rank's loss is the whole loss; the gradients of the local pieces
       // are the matching pieces of the full gradients.
-      RANK_CHECK(rc, close(grad(xl), DTensor::distribute(grad(xr), mesh, {px}).to_local(), 1e-5, 1e-6));
-      RANK_CHECK(rc, close(grad(wl), DTensor::distribute(grad(wr), mesh, {pw}).to_local(), 1e-5, 1e-6));
+      RANK_CHECK(rc,
+                 close(grad(xl), DTensor::distribute(grad(xr), mesh, {px}).to_local(), 1e-5, 1e-6));
+      RANK_CHECK(rc,
+                 close(grad(wl), DTensor::distribute(grad(wr), mesh, {pw}).to_local(), 1e-5, 1e-6));
     });
     rc.report();
   }
@@ -231,7 +239,8 @@ TEST_CASE("parallel styles reject what they cannot shard", "[tp]") {
     auto norm = std::make_shared<nn::LayerNorm>(4);
     RANK_CHECK_THROWS_WITH(rc, colwise()->apply(*norm, mesh), "expected an nn::Linear");
     auto lin = std::make_shared<nn::Linear>(4, 4, g);
-    RANK_CHECK_THROWS_WITH(rc, parallelize_module(lin, mesh, {{"nope", colwise()}}), "no such module");
+    RANK_CHECK_THROWS_WITH(rc, parallelize_module(lin, mesh, {{"nope", colwise()}}),
+                           "no such module");
     DeviceMesh mesh2(pg, {1, 2}, {"dp", "tp"});
     RANK_CHECK_THROWS_WITH(rc, colwise()->apply(*lin, mesh2), "expected a 1-D mesh");
   });
