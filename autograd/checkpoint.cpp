@@ -16,7 +16,8 @@ struct CheckpointFunction final : Function {
   bool accepts_undefined_grads() const override { return true; }
 
   std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
-    for (const Tensor& t : in) inputs.push_back(detach(t));
+    for (const Tensor& t : in)
+      inputs.push_back(detach(t));
     return fn(in);
   }
 
@@ -53,9 +54,13 @@ struct CheckpointFunction final : Function {
 }  // namespace
 
 // The flag is runtime's (Note [Recompute flag]), so the HookCoordinator sees re-runs.
-bool is_recomputing() { return thread_is_recomputing(); }
+bool is_recomputing() {
+  return thread_is_recomputing();
+}
 RecomputeGuard::RecomputeGuard() : previous_(set_thread_recomputing(true)) {}
-RecomputeGuard::~RecomputeGuard() { set_thread_recomputing(previous_); }
+RecomputeGuard::~RecomputeGuard() {
+  set_thread_recomputing(previous_);
+}
 
 std::vector<Tensor> checkpoint(CheckpointFn fn, const std::vector<Tensor>& inputs) {
   auto f = std::make_shared<CheckpointFunction>();

@@ -12,7 +12,9 @@ namespace tandem {
 namespace {
 
 struct BySequence {
-  bool operator()(const Node* a, const Node* b) const { return a->sequence_nr() < b->sequence_nr(); }
+  bool operator()(const Node* a, const Node* b) const {
+    return a->sequence_nr() < b->sequence_nr();
+  }
 };
 
 Tensor apply_hooks(const std::vector<std::pair<int, GradHook>>& hooks, Tensor g) {
@@ -83,9 +85,11 @@ struct Replay {
         input_grads = node->apply(grads);
       }
       const auto& edges = node->next_edges();
-      TANDEM_INTERNAL_ASSERT(input_grads.size() <= edges.size(), "{} returned {} grads for {} inputs",
-                             node->name(), input_grads.size(), edges.size());
-      for (size_t i = 0; i < input_grads.size(); ++i) send(edges[i], input_grads[i]);
+      TANDEM_INTERNAL_ASSERT(input_grads.size() <= edges.size(),
+                             "{} returned {} grads for {} inputs", node->name(), input_grads.size(),
+                             edges.size());
+      for (size_t i = 0; i < input_grads.size(); ++i)
+        send(edges[i], input_grads[i]);
       if (!options.retain_graph) {
         node->release_saved();
         node->mark_released();
@@ -156,7 +160,8 @@ std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<T
                          const std::vector<Tensor>& grad_outputs, const BackwardOptions& options) {
   std::vector<Tensor> seeds = grad_outputs;
   if (seeds.empty()) {
-    for (const Tensor& o : outputs) seeds.push_back(ops::ones_like(o));
+    for (const Tensor& o : outputs)
+      seeds.push_back(ops::ones_like(o));
   }
   // Capture through temporary hooks on the inputs; leave .grad untouched.
   std::vector<Tensor> result(inputs.size());
@@ -178,10 +183,12 @@ std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<T
   try {
     replay.run(options);
   } catch (...) {
-    for (auto& [node, h] : node_hooks) node->remove_output_hook(h);
+    for (auto& [node, h] : node_hooks)
+      node->remove_output_hook(h);
     throw;
   }
-  for (auto& [node, h] : node_hooks) node->remove_output_hook(h);
+  for (auto& [node, h] : node_hooks)
+    node->remove_output_hook(h);
   for (size_t i = 0; i < inputs.size(); ++i) {
     AutogradMeta* m = autograd_meta(inputs[i]);
     if (!m->grad_fn) {

@@ -7,7 +7,8 @@ namespace tandem {
 
 void FunctionCtx::save_for_backward(const std::vector<Tensor>& tensors) {
   saved_.clear();
-  for (const Tensor& t : tensors) saved_.push_back(detach(t));
+  for (const Tensor& t : tensors)
+    saved_.push_back(detach(t));
 }
 
 namespace {
@@ -50,7 +51,8 @@ std::vector<Tensor> Function::apply(const std::shared_ptr<Function>& fn,
   FunctionCtx local;
   FunctionCtx& ctx = node ? node->ctx : local;
   ctx.needs_input_grad.clear();
-  for (const Tensor& t : inputs) ctx.needs_input_grad.push_back(t.defined() && requires_grad(t));
+  for (const Tensor& t : inputs)
+    ctx.needs_input_grad.push_back(t.defined() && requires_grad(t));
   std::vector<Tensor> outputs;
   {
     NoGradGuard no_grad;
@@ -59,7 +61,8 @@ std::vector<Tensor> Function::apply(const std::shared_ptr<Function>& fn,
   if (!node) return outputs;
   node->fn = fn;
   std::vector<const Tensor*> in;
-  for (const Tensor& t : inputs) in.push_back(&t);
+  for (const Tensor& t : inputs)
+    in.push_back(&t);
   std::vector<Tensor*> out;
   for (Tensor& t : outputs) {
     t = detach(t);  // a forward may return an input itself: give the output its own identity

@@ -26,7 +26,8 @@ GradcheckResult gradcheck(const std::function<std::vector<Tensor>(const std::vec
   std::vector<Tensor> outs = fn(x);
   Generator gen(options.seed);
   std::vector<Tensor> dirs;
-  for (const Tensor& o : outs) dirs.push_back(ops::randn(o.shape(), gen, DType::F64));
+  for (const Tensor& o : outs)
+    dirs.push_back(ops::randn(o.shape(), gen, DType::F64));
   auto project = [&](const std::vector<Tensor>& ys) {
     double total = 0;
     for (size_t j = 0; j < ys.size(); ++j) {

@@ -62,7 +62,9 @@ void HookHandle::remove() {
   id_ = 0;
 }
 
-bool HookHandle::active() const { return id_ != 0 && !module_.expired(); }
+bool HookHandle::active() const {
+  return id_ != 0 && !module_.expired();
+}
 
 std::vector<Tensor> Module::call(Args args) {
   for (auto& [id, hook] : pre_hooks_) {
@@ -78,7 +80,8 @@ std::vector<Tensor> Module::call(Args args) {
       }
     }
     wrapped = through_hooks(*this, "ModuleBackwardHook", backward_hooks_, wrapped);
-    for (size_t j = 0; j < index.size(); ++j) args.positional[index[j]] = wrapped[j];
+    for (size_t j = 0; j < index.size(); ++j)
+      args.positional[index[j]] = wrapped[j];
   }
   std::vector<Tensor> outputs = forward(args);
   // Note [Backward pre-hooks see every use]: the outputs pass the backward
@@ -120,15 +123,18 @@ void Module::register_buffer(const std::string& name, Tensor* tensor) {
 
 void Module::collect(const std::string& prefix, bool params,
                      std::vector<std::pair<std::string, Tensor*>>& out) const {
-  for (const auto& [name, t] : params ? params_ : buffers_) out.emplace_back(prefix + name, t);
-  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", params, out);
+  for (const auto& [name, t] : params ? params_ : buffers_)
+    out.emplace_back(prefix + name, t);
+  for (const auto& [name, child] : children_)
+    child->collect(prefix + name + ".", params, out);
 }
 
 std::vector<std::pair<std::string, Tensor>> Module::named_parameters() const {
   std::vector<std::pair<std::string, Tensor*>> found;
   collect("", true, found);
   std::vector<std::pair<std::string, Tensor>> out;
-  for (auto& [n, t] : found) out.emplace_back(n, *t);
+  for (auto& [n, t] : found)
+    out.emplace_back(n, *t);
   return out;
 }
 
@@ -136,13 +142,15 @@ std::vector<std::pair<std::string, Tensor>> Module::named_buffers() const {
   std::vector<std::pair<std::string, Tensor*>> found;
   collect("", false, found);
   std::vector<std::pair<std::string, Tensor>> out;
-  for (auto& [n, t] : found) out.emplace_back(n, *t);
+  for (auto& [n, t] : found)
+    out.emplace_back(n, *t);
   return out;
 }
 
 std::vector<Tensor> Module::parameters() const {
   std::vector<Tensor> out;
-  for (auto& [n, t] : named_parameters()) out.push_back(t);
+  for (auto& [n, t] : named_parameters())
+    out.push_back(t);
   return out;
 }
 
@@ -163,14 +171,17 @@ std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::named_modul
 
 int64_t Module::num_parameters() const {
   int64_t n = 0;
-  for (const Tensor& p : parameters()) n += p.numel();
+  for (const Tensor& p : parameters())
+    n += p.numel();
   return n;
 }
 
 std::map<std::string, Tensor> Module::state_dict() const {
   std::map<std::string, Tensor> out;
-  for (auto& [n, t] : named_parameters()) out[n] = detach(t);
-  for (auto& [n, t] : named_buffers()) out[n] = detach(t);
+  for (auto& [n, t] : named_parameters())
+    out[n] = detach(t);
+  for (auto& [n, t] : named_buffers())
+    out[n] = detach(t);
   return out;
 }
 
@@ -230,7 +241,8 @@ void Module::to(DType dtype) {
 
 void Module::train(bool on) {
   training_ = on;
-  for (auto& [name, child] : children_) child->train(on);
+  for (auto& [name, child] : children_)
+    child->train(on);
 }
 
 void Module::set_parameter(const std::string& name, const Tensor& value) {
@@ -262,7 +274,8 @@ std::shared_ptr<Module> Module::get_submodule(const std::string& path) {
 }
 
 void Module::zero_grad() {
-  for (const Tensor& p : parameters()) tandem::zero_grad(p);
+  for (const Tensor& p : parameters())
+    tandem::zero_grad(p);
 }
 
 HookHandle Module::register_forward_pre_hook(ForwardPreHook hook) {
@@ -299,8 +312,7 @@ bool Module::remove_hook(int id) {
     }
     return false;
   };
-  return erase(pre_hooks_) || erase(hooks_) || erase(backward_pre_hooks_) ||
-         erase(backward_hooks_);
+  return erase(pre_hooks_) || erase(hooks_) || erase(backward_pre_hooks_) || erase(backward_hooks_);
 }
 
 }  // namespace tandem

@@ -44,8 +44,8 @@ struct Args {
 class Module;
 
 using ForwardPreHook = std::function<std::optional<Args>(Module&, const Args&)>;
-using ForwardHook =
-    std::function<std::optional<std::vector<Tensor>>(Module&, const Args&, const std::vector<Tensor>&)>;
+using ForwardHook = std::function<std::optional<std::vector<Tensor>>(Module&, const Args&,
+                                                                     const std::vector<Tensor>&)>;
 // Gradients of the outputs (undefined where none arrived); may replace them.
 using BackwardPreHook =
     std::function<std::optional<std::vector<Tensor>>(Module&, const std::vector<Tensor>&)>;

@@ -40,8 +40,12 @@ bool Node::remove_output_hook(int handle) {
   return false;
 }
 
-bool grad_mode_enabled() { return grad_enabled; }
-void set_grad_mode(bool enabled) { grad_enabled = enabled; }
+bool grad_mode_enabled() {
+  return grad_enabled;
+}
+void set_grad_mode(bool enabled) {
+  grad_enabled = enabled;
+}
 
 AutogradMeta* autograd_meta(const Tensor& t) {
   return static_cast<AutogradMeta*>(t.autograd_meta());

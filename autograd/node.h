@@ -40,12 +40,12 @@ using GradHook = std::function<Tensor(const Tensor&)>;
 
 struct AutogradMeta final : AutogradMetaBase {
   bool requires_grad = false;
-  Tensor grad;                     // leaves (and retain_grad tensors)
-  std::shared_ptr<Node> grad_fn;   // null for leaves
-  int output_nr = 0;               // which output of grad_fn this tensor is
+  Tensor grad;                                       // leaves (and retain_grad tensors)
+  std::shared_ptr<Node> grad_fn;                     // null for leaves
+  int output_nr = 0;                                 // which output of grad_fn this tensor is
   std::vector<std::pair<int, GradHook>> leaf_hooks;  // (handle id, hook)
-  std::string name;                // optional, for messages
-  std::mutex mu;                   // guards grad against concurrent readers
+  std::string name;                                  // optional, for messages
+  std::mutex mu;                                     // guards grad against concurrent readers
 };
 
 struct Edge {

@@ -21,8 +21,10 @@
 namespace tandem {
 
 // Factories (re-exported; results do not require grad).
+using ops::allclose;
 using ops::arange;
 using ops::empty_like;
+using ops::equal;
 using ops::from_vector;
 using ops::full;
 using ops::full_like;
@@ -33,8 +35,6 @@ using ops::randn;
 using ops::scalar_tensor;
 using ops::zeros;
 using ops::zeros_like;
-using ops::allclose;
-using ops::equal;
 
 // ---- elementwise ----
 Tensor add(const Tensor& a, const Tensor& b);

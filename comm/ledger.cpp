@@ -10,20 +10,23 @@ uint64_t mix(uint64_t h, uint64_t v) {
 }
 uint64_t hash_str(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  for (unsigned char c : s)
+    h = (h ^ c) * 1099511628211ull;
   return h;
 }
 }  // namespace
 
 uint64_t LedgerEntry::fingerprint() const {
   uint64_t h = mix(hash_str(op), hash_str(dtype));
-  for (int64_t c : counts) h = mix(h, static_cast<uint64_t>(c));
+  for (int64_t c : counts)
+    h = mix(h, static_cast<uint64_t>(c));
   return mix(h, static_cast<uint64_t>(peer + 1));
 }
 
 std::string LedgerEntry::str() const {
   std::string counts_str;
-  for (size_t i = 0; i < counts.size(); ++i) counts_str += fmt::format("{}{}", i ? "," : "", counts[i]);
+  for (size_t i = 0; i < counts.size(); ++i)
+    counts_str += fmt::format("{}{}", i ? "," : "", counts[i]);
   std::string s = fmt::format("#{} {}({}, [{}]", seq, op, dtype, counts_str);
   if (peer >= 0) s += fmt::format(", peer/root={}", peer);
   s += ")";
@@ -49,7 +52,8 @@ std::vector<LedgerEntry> Ledger::tail(size_t n) const {
 
 std::string Ledger::tail_str(size_t n) const {
   std::string out;
-  for (const LedgerEntry& e : tail(n)) out += "    " + e.str() + "\n";
+  for (const LedgerEntry& e : tail(n))
+    out += "    " + e.str() + "\n";
   return out.empty() ? "    (no collectives launched)\n" : out;
 }
 

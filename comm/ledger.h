@@ -21,11 +21,11 @@ namespace tandem {
 
 struct LedgerEntry {
   uint64_t seq = 0;
-  std::string op;      // "all_reduce", "send", ...
+  std::string op;  // "all_reduce", "send", ...
   std::string dtype;
   std::vector<int64_t> counts;  // element counts (shape, or split sizes)
-  int peer = -1;       // root or peer, -1 when none
-  std::string thread;  // issuing thread
+  int peer = -1;                // root or peer, -1 when none
+  std::string thread;           // issuing thread
   std::string tag;
   // What must agree across ranks (op, dtype, counts, peer/root semantics).
   uint64_t fingerprint() const;

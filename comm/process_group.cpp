@@ -14,18 +14,22 @@ namespace tandem {
 
 const char* red_op_name(RedOp op) {
   switch (op) {
-    case RedOp::Sum: return "sum";
-    case RedOp::Avg: return "avg";
-    case RedOp::Max: return "max";
-    case RedOp::Min: return "min";
+    case RedOp::Sum:
+      return "sum";
+    case RedOp::Avg:
+      return "avg";
+    case RedOp::Max:
+      return "max";
+    case RedOp::Min:
+      return "min";
   }
   return "?";
 }
 
 const char* collective_name(CollectiveKind kind) {
-  static const char* names[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter",
-                                "all_to_all", "send",      "recv",       "batch_isend_irecv",
-                                "barrier"};
+  static const char* names[] = {"all_reduce",     "broadcast",         "all_gather",
+                                "reduce_scatter", "all_to_all",        "send",
+                                "recv",           "batch_isend_irecv", "barrier"};
   return names[static_cast<int>(kind)];
 }
 
@@ -52,7 +56,8 @@ std::string ProcessGroup::where() const {
 }
 
 void ProcessGroup::unsupported(const char* what) const {
-  TANDEM_FAIL("[comm::{}] backend {} does not support {} ({})", what, backend_name(), what, where());
+  TANDEM_FAIL("[comm::{}] backend {} does not support {} ({})", what, backend_name(), what,
+              where());
 }
 
 LedgerEntry ProcessGroup::entry_for(const char* op, const Tensor& t, int peer,
@@ -74,7 +79,8 @@ WorkPtr ProcessGroup::issue(Collective c, std::vector<Tensor> keep) {
   c.work = make_work(fmt::format("{} ({})", name, where()));
   std::vector<Tensor> outputs;
   if (c.output.defined()) outputs.push_back(c.output);
-  for (const Tensor& t : c.p2p_outputs) outputs.push_back(t);
+  for (const Tensor& t : c.p2p_outputs)
+    outputs.push_back(t);
   c.work->set_outputs(outputs);
   keep.insert(keep.end(), outputs.begin(), outputs.end());
   c.work->keep_alive(std::move(keep));
@@ -172,9 +178,10 @@ WorkPtr ProcessGroup::all_to_all_single(const Tensor& t, const AllToAllOptions& 
                  rows, size_, where());
     in.assign(static_cast<size_t>(size_), rows / size_);
   }
-  if (out.empty()) out = in.size() == static_cast<size_t>(size_) && options.input_split_sizes.empty()
-                             ? in
-                             : std::vector<int64_t>();
+  if (out.empty())
+    out = in.size() == static_cast<size_t>(size_) && options.input_split_sizes.empty()
+              ? in
+              : std::vector<int64_t>();
   TANDEM_CHECK(static_cast<int>(in.size()) == size_ && static_cast<int>(out.size()) == size_,
                "[comm::all_to_all] expected {} input and {} output split sizes, got {} and {} "
                "(uneven splits need both lists) ({})",
@@ -267,7 +274,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::split(const std::vector<int>& ranks,
 }
 
 void reduce_into(RedOp op, const Tensor& out, const Tensor& in) {
-  BinaryOp b = op == RedOp::Max ? BinaryOp::Maximum
+  BinaryOp b = op == RedOp::Max   ? BinaryOp::Maximum
                : op == RedOp::Min ? BinaryOp::Minimum
                                   : BinaryOp::Add;
   TensorArg ao = arg_of(out), ai = arg_of(in);

@@ -37,7 +37,15 @@ struct ProcessGroupOptions {
 };
 
 enum class CollectiveKind : uint8_t {
-  AllReduce, Broadcast, AllGather, ReduceScatter, AllToAll, Send, Recv, BatchP2P, Barrier
+  AllReduce,
+  Broadcast,
+  AllGather,
+  ReduceScatter,
+  AllToAll,
+  Send,
+  Recv,
+  BatchP2P,
+  Barrier
 };
 const char* collective_name(CollectiveKind kind);
 
@@ -52,8 +60,8 @@ struct Collective {
   int peer = -1;  // root (broadcast) or peer (send/recv), group rank
   int tag_id = 0;
   std::vector<int64_t> input_splits, output_splits;  // all-to-all rows
-  std::vector<P2POp> p2p;                           // batch: contiguous tensors
-  std::vector<Tensor> p2p_outputs;                  // one per Recv op, in order
+  std::vector<P2POp> p2p;                            // batch: contiguous tensors
+  std::vector<Tensor> p2p_outputs;                   // one per Recv op, in order
   Event ready;  // recorded on the caller's stream after the input was produced
   WorkPtr work;
 };
@@ -102,8 +110,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
 
  protected:
   virtual void launch(Collective& c) = 0;
-  virtual std::shared_ptr<ProcessGroup> make_subgroup(const std::vector<int>& ranks,
-                                                      int new_rank, const std::string& name) = 0;
+  virtual std::shared_ptr<ProcessGroup> make_subgroup(const std::vector<int>& ranks, int new_rank,
+                                                      const std::string& name) = 0;
   [[noreturn]] void unsupported(const char* what) const;
   // The Work a launch returns; a backend whose completion is a device event
   // (NCCL) returns a subclass whose wait() is stream-side.

@@ -60,8 +60,12 @@ struct P2POp {
   Tensor tensor;  // the data to send, or a tensor of the expected shape/dtype to receive
   int peer = 0;
   int tag_id = 0;
-  static P2POp send(Tensor t, int peer, int tag_id = 0) { return {Kind::Send, std::move(t), peer, tag_id}; }
-  static P2POp recv(Tensor like, int peer, int tag_id = 0) { return {Kind::Recv, std::move(like), peer, tag_id}; }
+  static P2POp send(Tensor t, int peer, int tag_id = 0) {
+    return {Kind::Send, std::move(t), peer, tag_id};
+  }
+  static P2POp recv(Tensor like, int peer, int tag_id = 0) {
+    return {Kind::Recv, std::move(like), peer, tag_id};
+  }
 };
 
 }  // namespace tandem

@@ -18,7 +18,8 @@ void Work::finish(std::exception_ptr error) {
     kept_.clear();
   }
   cv_.notify_all();
-  for (auto& fn : callbacks) fn();
+  for (auto& fn : callbacks)
+    fn();
 }
 
 void Work::on_completion(std::function<void()> fn) {

@@ -136,7 +136,8 @@ class CachingAllocator final : public Allocator {
   void process_pending() {
     for (size_t i = 0; i < pending_.size();) {
       bool done = true;
-      for (const Event& e : pending_[i].events) done = done && e.query();
+      for (const Event& e : pending_[i].events)
+        done = done && e.query();
       if (done) {
         pools_[pending_[i].pool].emplace(pending_[i].size, pending_[i].ptr);
         pending_[i] = std::move(pending_.back());
@@ -167,22 +168,26 @@ class CachingAllocator final : public Allocator {
   MemoryStats stats_;
 };
 
-void* cpu_alloc(size_t nbytes, int) { return std::aligned_alloc(64, (nbytes + 63) / 64 * 64); }
-void cpu_free(void* ptr, int) { std::free(ptr); }
+void* cpu_alloc(size_t nbytes, int) {
+  return std::aligned_alloc(64, (nbytes + 63) / 64 * 64);
+}
+void cpu_free(void* ptr, int) {
+  std::free(ptr);
+}
 
 constexpr int kMaxDevices = 16;
 
 }  // namespace
 
-std::unique_ptr<Allocator> make_caching_allocator(Device device, RawMemory raw,
-                                                  bool stream_aware) {
+std::unique_ptr<Allocator> make_caching_allocator(Device device, RawMemory raw, bool stream_aware) {
   return std::make_unique<CachingAllocator>(device, raw, stream_aware);
 }
 
 Allocator& allocator_for(Device device) {
   // Intentionally leaked: tensors with static storage duration may be destroyed
   // after any other static, and must still find their allocator.
-  static Allocator* const cpu = make_caching_allocator(Device::cpu(), {cpu_alloc, cpu_free}, false).release();
+  static Allocator* const cpu =
+      make_caching_allocator(Device::cpu(), {cpu_alloc, cpu_free}, false).release();
   if (device.is_cpu()) return *cpu;
   static std::once_flag once[kMaxDevices];
   static Allocator* cuda[kMaxDevices] = {};
@@ -195,8 +200,14 @@ Allocator& allocator_for(Device device) {
   return *cuda[device.index()];
 }
 
-MemoryStats memory_stats(Device device) { return allocator_for(device).stats(); }
-void reset_peak_memory(Device device) { allocator_for(device).reset_peak(); }
-void empty_cache(Device device) { allocator_for(device).empty_cache(); }
+MemoryStats memory_stats(Device device) {
+  return allocator_for(device).stats();
+}
+void reset_peak_memory(Device device) {
+  allocator_for(device).reset_peak();
+}
+void empty_cache(Device device) {
+  allocator_for(device).empty_cache();
+}
 
 }  // namespace tandem

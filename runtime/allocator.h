@@ -32,8 +32,8 @@ struct MemoryStats {
   int64_t peak_allocated_bytes = 0;  // max of the above since the last reset
   int64_t reserved_bytes = 0;        // held from the system (allocated + cached)
   int64_t peak_reserved_bytes = 0;
-  int64_t num_allocs = 0;            // allocate() calls
-  int64_t num_system_allocs = 0;     // cache misses
+  int64_t num_allocs = 0;         // allocate() calls
+  int64_t num_system_allocs = 0;  // cache misses
 };
 
 class Allocator {
@@ -67,7 +67,6 @@ struct RawMemory {
   void* (*alloc)(size_t nbytes, int device);  // nullptr on out-of-memory
   void (*free)(void* ptr, int device);
 };
-std::unique_ptr<Allocator> make_caching_allocator(Device device, RawMemory raw,
-                                                  bool stream_aware);
+std::unique_ptr<Allocator> make_caching_allocator(Device device, RawMemory raw, bool stream_aware);
 
 }  // namespace tandem

@@ -41,14 +41,20 @@ std::atomic<CpuStreamMode>& stream_mode() {
 
 }  // namespace
 
-std::chrono::milliseconds wait_timeout() { return std::chrono::milliseconds(timeout_ms().load()); }
+std::chrono::milliseconds wait_timeout() {
+  return std::chrono::milliseconds(timeout_ms().load());
+}
 void set_wait_timeout(std::chrono::milliseconds timeout) {
   TANDEM_CHECK(timeout.count() > 0, "[runtime::config] expected a positive wait timeout, got {} ms",
                timeout.count());
   timeout_ms() = timeout.count();
 }
 
-CpuStreamMode default_cpu_stream_mode() { return stream_mode().load(); }
-void set_default_cpu_stream_mode(CpuStreamMode mode) { stream_mode() = mode; }
+CpuStreamMode default_cpu_stream_mode() {
+  return stream_mode().load();
+}
+void set_default_cpu_stream_mode(CpuStreamMode mode) {
+  stream_mode() = mode;
+}
 
 }  // namespace tandem

@@ -37,16 +37,24 @@ int cuda_device_count() {
   return count;
 }
 
-bool cuda_available() { return cuda_device_count() > 0; }
-bool built_with_cuda() { return cuda_api::compiled(); }
+bool cuda_available() {
+  return cuda_device_count() > 0;
+}
+bool built_with_cuda() {
+  return cuda_api::compiled();
+}
 
-Device default_device() { return cuda_available() ? Device::cuda(0) : Device::cpu(); }
+Device default_device() {
+  return cuda_available() ? Device::cuda(0) : Device::cpu();
+}
 
 namespace {
 thread_local Device thread_device = Device::cpu();
 }
 
-Device current_device() { return thread_device; }
+Device current_device() {
+  return thread_device;
+}
 
 void set_current_device(Device device) {
   if (device.is_cuda()) cuda_api::set_device(device.index());

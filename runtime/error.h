@@ -31,20 +31,20 @@ namespace detail {
 }  // namespace tandem
 
 // User-facing check: the format string says what was expected and what came.
-#define TANDEM_CHECK(cond, ...)                                                     \
-  do {                                                                              \
-    if (!(cond)) [[unlikely]] {                                                     \
+#define TANDEM_CHECK(cond, ...)                                                      \
+  do {                                                                               \
+    if (!(cond)) [[unlikely]] {                                                      \
       ::tandem::detail::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__)); \
-    }                                                                               \
+    }                                                                                \
   } while (0)
 
-#define TANDEM_FAIL(...) ::tandem::detail::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__))
+#define TANDEM_FAIL(...) \
+  ::tandem::detail::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__))
 
 // Always-on internal invariant (never compiled out, unlike assert()).
-#define TANDEM_INTERNAL_ASSERT(cond, ...)                                             \
-  do {                                                                                \
-    if (!(cond)) [[unlikely]] {                                                       \
-      ::tandem::detail::throw_internal(__FILE__, __LINE__, #cond,                     \
-                                       ::fmt::format("" __VA_ARGS__));                \
-    }                                                                                 \
+#define TANDEM_INTERNAL_ASSERT(cond, ...)                                                         \
+  do {                                                                                            \
+    if (!(cond)) [[unlikely]] {                                                                   \
+      ::tandem::detail::throw_internal(__FILE__, __LINE__, #cond, ::fmt::format("" __VA_ARGS__)); \
+    }                                                                                             \
   } while (0)

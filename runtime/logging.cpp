@@ -37,18 +37,28 @@ LogContext current_log_context() {
   return process_context;
 }
 
-void set_log_context(LogContext context) { thread_context = context; }
+void set_log_context(LogContext context) {
+  thread_context = context;
+}
 
 void set_process_log_context(LogContext context) {
   std::lock_guard<std::mutex> lock(process_mu);
   process_context = context;
 }
 
-void set_thread_name(const std::string& name) { thread_label = name; }
-const std::string& thread_name() { return thread_label; }
+void set_thread_name(const std::string& name) {
+  thread_label = name;
+}
+const std::string& thread_name() {
+  return thread_label;
+}
 
-LogLevel log_level() { return level_slot().load(std::memory_order_relaxed); }
-void set_log_level(LogLevel level) { level_slot() = level; }
+LogLevel log_level() {
+  return level_slot().load(std::memory_order_relaxed);
+}
+void set_log_level(LogLevel level) {
+  level_slot() = level;
+}
 
 void log_message(LogLevel level, const std::string& message) {
   static const char kLetters[] = {'D', 'I', 'W', 'E'};

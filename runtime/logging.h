@@ -28,15 +28,18 @@ void log_message(LogLevel level, const std::string& message);
 
 template <class... Args>
 void log_debug(fmt::format_string<Args...> f, Args&&... args) {
-  if (log_level() <= LogLevel::Debug) log_message(LogLevel::Debug, fmt::format(f, std::forward<Args>(args)...));
+  if (log_level() <= LogLevel::Debug)
+    log_message(LogLevel::Debug, fmt::format(f, std::forward<Args>(args)...));
 }
 template <class... Args>
 void log_info(fmt::format_string<Args...> f, Args&&... args) {
-  if (log_level() <= LogLevel::Info) log_message(LogLevel::Info, fmt::format(f, std::forward<Args>(args)...));
+  if (log_level() <= LogLevel::Info)
+    log_message(LogLevel::Info, fmt::format(f, std::forward<Args>(args)...));
 }
 template <class... Args>
 void log_warn(fmt::format_string<Args...> f, Args&&... args) {
-  if (log_level() <= LogLevel::Warn) log_message(LogLevel::Warn, fmt::format(f, std::forward<Args>(args)...));
+  if (log_level() <= LogLevel::Warn)
+    log_message(LogLevel::Warn, fmt::format(f, std::forward<Args>(args)...));
 }
 template <class... Args>
 void log_error(fmt::format_string<Args...> f, Args&&... args) {

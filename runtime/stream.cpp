@@ -82,11 +82,21 @@ Stream Stream::create(Device device, CpuStreamMode mode, std::string name) {
   return Stream(std::move(impl));
 }
 
-Device Stream::device() const { return impl_->device; }
-bool Stream::is_inline() const { return impl_->is_inline; }
-uint64_t Stream::id() const { return impl_ ? impl_->id : 0; }
-const std::string& Stream::name() const { return impl_->name; }
-void* Stream::native_handle() const { return impl_->native; }
+Device Stream::device() const {
+  return impl_->device;
+}
+bool Stream::is_inline() const {
+  return impl_->is_inline;
+}
+uint64_t Stream::id() const {
+  return impl_ ? impl_->id : 0;
+}
+const std::string& Stream::name() const {
+  return impl_->name;
+}
+void* Stream::native_handle() const {
+  return impl_->native;
+}
 
 void Stream::enqueue_async(std::function<void()> fn, bool always_run) const {
   TANDEM_INTERNAL_ASSERT(impl_ && impl_->device.is_cpu(), "enqueue on a non-CPU stream");
@@ -152,7 +162,9 @@ StreamGuard::StreamGuard(const Stream& stream) : previous_(current_stream(stream
   set_current_stream(stream);
 }
 
-StreamGuard::~StreamGuard() { slot_for(previous_.device()) = previous_; }
+StreamGuard::~StreamGuard() {
+  slot_for(previous_.device()) = previous_;
+}
 
 Event::Event() : impl_(std::make_shared<detail::EventImpl>()) {}
 

@@ -103,6 +103,8 @@ bool TaskQueue::idle() const {
   return state_->finished == state_->pushed;
 }
 
-const std::string& TaskQueue::name() const { return state_->name; }
+const std::string& TaskQueue::name() const {
+  return state_->name;
+}
 
 }  // namespace tandem

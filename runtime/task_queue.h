@@ -13,8 +13,8 @@
 // its own and exits, instead of joining itself.
 #pragma once
 
-#include <memory>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 

@@ -59,7 +59,8 @@ ThreadBuffer& my_buffer() {
 std::string default_lane() {
   const std::string& name = thread_name();
   if (!name.empty()) return name;
-  return fmt::format("thread {}", std::hash<std::thread::id>{}(std::this_thread::get_id()) % 100000);
+  return fmt::format("thread {}",
+                     std::hash<std::thread::id>{}(std::this_thread::get_id()) % 100000);
 }
 
 void push(TraceEvent e) {
@@ -99,7 +100,9 @@ void trace_start() {
   detail::trace_on = true;
 }
 
-void trace_stop() { detail::trace_on = false; }
+void trace_stop() {
+  detail::trace_on = false;
+}
 
 int64_t trace_now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
@@ -144,9 +147,11 @@ std::string trace_json() {
   }
   // Lanes become small tids per pid, announced by thread_name metadata.
   std::map<std::pair<int, std::string>, int> tids;
-  for (const TraceEvent& e : all) tids.emplace(std::make_pair(e.pid, e.lane), 0);
+  for (const TraceEvent& e : all)
+    tids.emplace(std::make_pair(e.pid, e.lane), 0);
   std::map<int, int> next;
-  for (auto& [key, tid] : tids) tid = next[key.first]++;
+  for (auto& [key, tid] : tids)
+    tid = next[key.first]++;
   std::string out = "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
   bool first = true;
   auto sep = [&] {
@@ -156,14 +161,16 @@ std::string trace_json() {
   for (auto& [key, tid] : tids) {
     sep();
     out += fmt::format(
-        "{{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":{},\"tid\":{},\"args\":{{\"name\":\"{}\"}}}}",
+        "{{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":{},\"tid\":{},\"args\":{{\"name\":\"{}\"}}"
+        "}}",
         key.first, tid, escape(key.second));
   }
   for (const TraceEvent& e : all) {
     sep();
     int tid = tids[{e.pid, e.lane}];
-    out += fmt::format("{{\"ph\":\"{}\",\"cat\":\"{}\",\"name\":\"{}\",\"ts\":{},\"pid\":{},\"tid\":{}",
-                       e.phase, e.category, escape(e.name), e.ts, e.pid, tid);
+    out += fmt::format(
+        "{{\"ph\":\"{}\",\"cat\":\"{}\",\"name\":\"{}\",\"ts\":{},\"pid\":{},\"tid\":{}", e.phase,
+        e.category, escape(e.name), e.ts, e.pid, tid);
     if (e.phase == 'X') out += fmt::format(",\"dur\":{}", e.dur);
     if (e.phase == 'i') out += ",\"s\":\"t\"";
     out += fmt::format(",\"args\":{{{}}}}}", e.args);

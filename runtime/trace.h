@@ -19,7 +19,9 @@ namespace detail {
 extern std::atomic<bool> trace_on;
 }
 
-inline bool trace_enabled() { return detail::trace_on.load(std::memory_order_relaxed); }
+inline bool trace_enabled() {
+  return detail::trace_on.load(std::memory_order_relaxed);
+}
 void trace_start();  // clears earlier events
 void trace_stop();
 // Writes every event recorded since trace_start() as Chrome trace JSON.

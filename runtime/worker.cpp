@@ -19,7 +19,9 @@ Worker::Worker(std::string name, Device device)
 
 Worker::~Worker() = default;
 
-void Worker::submit(std::function<void()> fn) { queue_->push(std::move(fn)); }
+void Worker::submit(std::function<void()> fn) {
+  queue_->push(std::move(fn));
+}
 
 void Worker::synchronize() {
   queue_->synchronize();

@@ -46,7 +46,9 @@ struct BFloat16 {
       bits = static_cast<uint16_t>(u >> 16);
     }
   }
-  TANDEM_HOST_DEVICE operator float() const { return bits_float(static_cast<uint32_t>(bits) << 16); }
+  TANDEM_HOST_DEVICE operator float() const {
+    return bits_float(static_cast<uint32_t>(bits) << 16);
+  }
 };
 
 struct Half {

@@ -32,7 +32,9 @@ TensorArg broadcast_arg(const Tensor& t, const Shape& shape);
 
 enum class UnaryOp : uint8_t { Neg, Exp, Log, Sqrt, Rsqrt, Abs, Tanh, Sigmoid, Relu, Gelu, Silu };
 enum class BinaryOp : uint8_t { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge };
-constexpr bool is_comparison(BinaryOp op) { return op >= BinaryOp::Eq; }
+constexpr bool is_comparison(BinaryOp op) {
+  return op >= BinaryOp::Eq;
+}
 enum class ReduceOp : uint8_t { Sum, Mean, Max, Min, Argmax, Argmin };
 enum class RandomKind : uint8_t { Uniform, Normal };
 

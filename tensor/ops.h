@@ -180,7 +180,7 @@ NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
 NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
 
 // ---- indexing ----
-Tensor embedding(const Tensor& weight, const Tensor& indices);  // (V, D)[idx] -> (*idx, D)
+Tensor embedding(const Tensor& weight, const Tensor& indices);           // (V, D)[idx] -> (*idx, D)
 Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index);  // index: 1-D i64/i32
 // out[i][j][k] = t[i][index[i][j][k]][k] for dim = 1 (index same rank as t).
 Tensor gather(const Tensor& t, int64_t dim, const Tensor& index);

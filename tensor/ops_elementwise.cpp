@@ -52,8 +52,9 @@ Tensor binary_op(BinaryOp op, const Tensor& a, const Tensor& b) {
   Tensor x = to(a, ct), y = to(b, ct);
   Tensor out = empty(shape, is_comparison(op) ? DType::Bool : ct, a.device());
   TensorArg ax = broadcast_arg(x, shape), ay = broadcast_arg(y, shape), ao = arg_of(out);
-  dispatch(out.device(), [=] { cpu::binary(op, ax, ay, ao); },
-           [=](void* s) { cuda::binary(op, ax, ay, ao, s); }, x, y, out);
+  dispatch(
+      out.device(), [=] { cpu::binary(op, ax, ay, ao); },
+      [=](void* s) { cuda::binary(op, ax, ay, ao, s); }, x, y, out);
   return out;
 }
 
@@ -66,8 +67,9 @@ Tensor scalar_op(BinaryOp op, const Tensor& a, double s, bool scalar_first) {
   Tensor x = to(a, ct);
   Tensor out = empty(a.shape(), is_comparison(op) ? DType::Bool : ct, a.device());
   TensorArg ax = arg_of(x), ao = arg_of(out);
-  dispatch(out.device(), [=] { cpu::binary_scalar(op, ax, s, scalar_first, ao); },
-           [=](void* st) { cuda::binary_scalar(op, ax, s, scalar_first, ao, st); }, x, out);
+  dispatch(
+      out.device(), [=] { cpu::binary_scalar(op, ax, s, scalar_first, ao); },
+      [=](void* st) { cuda::binary_scalar(op, ax, s, scalar_first, ao, st); }, x, out);
   return out;
 }
 
@@ -81,67 +83,143 @@ Tensor unary_op(UnaryOp op, const Tensor& a) {
   Tensor x = to(a, ct);
   Tensor out = empty(a.shape(), ct, a.device());
   TensorArg ax = arg_of(x), ao = arg_of(out);
-  dispatch(out.device(), [=] { cpu::unary(op, ax, ao); },
-           [=](void* s) { cuda::unary(op, ax, ao, s); }, x, out);
+  dispatch(
+      out.device(), [=] { cpu::unary(op, ax, ao); }, [=](void* s) { cuda::unary(op, ax, ao, s); },
+      x, out);
   return out;
 }
 
 }  // namespace
 
-Tensor add(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Add, a, b); }
-Tensor sub(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Sub, a, b); }
-Tensor mul(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Mul, a, b); }
-Tensor div(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Div, a, b); }
-Tensor pow(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Pow, a, b); }
-Tensor maximum(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Maximum, a, b); }
-Tensor minimum(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Minimum, a, b); }
-Tensor eq(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Eq, a, b); }
-Tensor ne(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Ne, a, b); }
-Tensor lt(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Lt, a, b); }
-Tensor le(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Le, a, b); }
-Tensor gt(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Gt, a, b); }
-Tensor ge(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Ge, a, b); }
+Tensor add(const Tensor& a, const Tensor& b) {
+  return binary_op(BinaryOp::Add, a, b);
+}
+Tensor sub(const Tensor& a, const Tensor& b) {
+  return binary_op(BinaryOp::Sub, a, b);
+}
+Tensor mul(const Tensor& a, const Tensor& b) {
+  return binary_op(BinaryOp::Mul, a, b);
+}
+Tensor div(const Tensor& a, const Tensor& b) {
+  return binary_op(BinaryOp::Div, a, b);
+}
+Tensor pow(const Tensor& a, const Tensor& b) {
+  return binary_op(BinaryOp::Pow, a, b);
+}
+Tensor maximum(const Tensor& a, const Tensor& b) {
+  return binary_op(BinaryOp::Maximum, a, b);
+}
+Tensor minimum(const Tensor& a, const Tensor& b) {
+  return binary_op(BinaryOp::Minimum, a, b);
+}
+Tensor eq(const Tensor& a, const Tensor& b) {
+  return binary_op(BinaryOp::Eq, a, b);
+}
+Tensor ne(const Tensor& a, const Tensor& b) {
+  return binary_op(BinaryOp::Ne, a, b);
+}
+Tensor lt(const Tensor& a, const Tensor& b) {
+  return binary_op(BinaryOp::Lt, a, b);
+}
+Tensor le(const Tensor& a, const Tensor& b) {
+  return binary_op(BinaryOp::Le, a, b);
+}
+Tensor gt(const Tensor& a, const Tensor& b) {
+  return binary_op(BinaryOp::Gt, a, b);
+}
+Tensor ge(const Tensor& a, const Tensor& b) {
+  return binary_op(BinaryOp::Ge, a, b);
+}
 
-Tensor add(const Tensor& a, double s) { return scalar_op(BinaryOp::Add, a, s, false); }
-Tensor sub(const Tensor& a, double s) { return scalar_op(BinaryOp::Sub, a, s, false); }
-Tensor rsub(const Tensor& a, double s) { return scalar_op(BinaryOp::Sub, a, s, true); }
-Tensor mul(const Tensor& a, double s) { return scalar_op(BinaryOp::Mul, a, s, false); }
-Tensor div(const Tensor& a, double s) { return scalar_op(BinaryOp::Div, a, s, false); }
-Tensor rdiv(const Tensor& a, double s) { return scalar_op(BinaryOp::Div, a, s, true); }
-Tensor pow(const Tensor& a, double e) { return scalar_op(BinaryOp::Pow, a, e, false); }
-Tensor eq(const Tensor& a, double s) { return scalar_op(BinaryOp::Eq, a, s, false); }
-Tensor ne(const Tensor& a, double s) { return scalar_op(BinaryOp::Ne, a, s, false); }
-Tensor lt(const Tensor& a, double s) { return scalar_op(BinaryOp::Lt, a, s, false); }
-Tensor le(const Tensor& a, double s) { return scalar_op(BinaryOp::Le, a, s, false); }
-Tensor gt(const Tensor& a, double s) { return scalar_op(BinaryOp::Gt, a, s, false); }
-Tensor ge(const Tensor& a, double s) { return scalar_op(BinaryOp::Ge, a, s, false); }
+Tensor add(const Tensor& a, double s) {
+  return scalar_op(BinaryOp::Add, a, s, false);
+}
+Tensor sub(const Tensor& a, double s) {
+  return scalar_op(BinaryOp::Sub, a, s, false);
+}
+Tensor rsub(const Tensor& a, double s) {
+  return scalar_op(BinaryOp::Sub, a, s, true);
+}
+Tensor mul(const Tensor& a, double s) {
+  return scalar_op(BinaryOp::Mul, a, s, false);
+}
+Tensor div(const Tensor& a, double s) {
+  return scalar_op(BinaryOp::Div, a, s, false);
+}
+Tensor rdiv(const Tensor& a, double s) {
+  return scalar_op(BinaryOp::Div, a, s, true);
+}
+Tensor pow(const Tensor& a, double e) {
+  return scalar_op(BinaryOp::Pow, a, e, false);
+}
+Tensor eq(const Tensor& a, double s) {
+  return scalar_op(BinaryOp::Eq, a, s, false);
+}
+Tensor ne(const Tensor& a, double s) {
+  return scalar_op(BinaryOp::Ne, a, s, false);
+}
+Tensor lt(const Tensor& a, double s) {
+  return scalar_op(BinaryOp::Lt, a, s, false);
+}
+Tensor le(const Tensor& a, double s) {
+  return scalar_op(BinaryOp::Le, a, s, false);
+}
+Tensor gt(const Tensor& a, double s) {
+  return scalar_op(BinaryOp::Gt, a, s, false);
+}
+Tensor ge(const Tensor& a, double s) {
+  return scalar_op(BinaryOp::Ge, a, s, false);
+}
 
-Tensor neg(const Tensor& a) { return unary_op(UnaryOp::Neg, a); }
-Tensor exp(const Tensor& a) { return unary_op(UnaryOp::Exp, a); }
-Tensor log(const Tensor& a) { return unary_op(UnaryOp::Log, a); }
-Tensor sqrt(const Tensor& a) { return unary_op(UnaryOp::Sqrt, a); }
-Tensor rsqrt(const Tensor& a) { return unary_op(UnaryOp::Rsqrt, a); }
-Tensor abs(const Tensor& a) { return unary_op(UnaryOp::Abs, a); }
-Tensor tanh(const Tensor& a) { return unary_op(UnaryOp::Tanh, a); }
-Tensor sigmoid(const Tensor& a) { return unary_op(UnaryOp::Sigmoid, a); }
-Tensor relu(const Tensor& a) { return unary_op(UnaryOp::Relu, a); }
-Tensor gelu(const Tensor& a) { return unary_op(UnaryOp::Gelu, a); }
-Tensor silu(const Tensor& a) { return unary_op(UnaryOp::Silu, a); }
+Tensor neg(const Tensor& a) {
+  return unary_op(UnaryOp::Neg, a);
+}
+Tensor exp(const Tensor& a) {
+  return unary_op(UnaryOp::Exp, a);
+}
+Tensor log(const Tensor& a) {
+  return unary_op(UnaryOp::Log, a);
+}
+Tensor sqrt(const Tensor& a) {
+  return unary_op(UnaryOp::Sqrt, a);
+}
+Tensor rsqrt(const Tensor& a) {
+  return unary_op(UnaryOp::Rsqrt, a);
+}
+Tensor abs(const Tensor& a) {
+  return unary_op(UnaryOp::Abs, a);
+}
+Tensor tanh(const Tensor& a) {
+  return unary_op(UnaryOp::Tanh, a);
+}
+Tensor sigmoid(const Tensor& a) {
+  return unary_op(UnaryOp::Sigmoid, a);
+}
+Tensor relu(const Tensor& a) {
+  return unary_op(UnaryOp::Relu, a);
+}
+Tensor gelu(const Tensor& a) {
+  return unary_op(UnaryOp::Gelu, a);
+}
+Tensor silu(const Tensor& a) {
+  return unary_op(UnaryOp::Silu, a);
+}
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   check_pair(a, b, "where");
   check_pair(cond, a, "where");
   TANDEM_CHECK(cond.dtype() == DType::Bool, "[tensor::where] expected a bool condition, got {}",
                dtype_name(cond.dtype()));
-  Shape shape = broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(),
-                                 "where");
+  Shape shape =
+      broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(), "where");
   DType ct = promote(a.dtype(), b.dtype());
   Tensor x = to(a, ct), y = to(b, ct);
   Tensor out = empty(shape, ct, a.device());
   TensorArg ac = broadcast_arg(cond, shape), ax = broadcast_arg(x, shape),
             ay = broadcast_arg(y, shape), ao = arg_of(out);
-  dispatch(out.device(), [=] { cpu::where(ac, ax, ay, ao); },
-           [=](void* s) { cuda::where(ac, ax, ay, ao, s); }, cond, x, y, out);
+  dispatch(
+      out.device(), [=] { cpu::where(ac, ax, ay, ao); },
+      [=](void* s) { cuda::where(ac, ax, ay, ao, s); }, cond, x, y, out);
   return out;
 }
 
@@ -149,14 +227,32 @@ Tensor where(const Tensor& cond, const Tensor& a, double b) {
   return where(cond, a, scalar_tensor(b, a.dtype(), a.device()));
 }
 
-Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
-Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
-Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
-Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
-Tensor operator+(const Tensor& a, double s) { return add(a, s); }
-Tensor operator-(const Tensor& a, double s) { return sub(a, s); }
-Tensor operator*(const Tensor& a, double s) { return mul(a, s); }
-Tensor operator/(const Tensor& a, double s) { return div(a, s); }
-Tensor operator-(const Tensor& a) { return neg(a); }
+Tensor operator+(const Tensor& a, const Tensor& b) {
+  return add(a, b);
+}
+Tensor operator-(const Tensor& a, const Tensor& b) {
+  return sub(a, b);
+}
+Tensor operator*(const Tensor& a, const Tensor& b) {
+  return mul(a, b);
+}
+Tensor operator/(const Tensor& a, const Tensor& b) {
+  return div(a, b);
+}
+Tensor operator+(const Tensor& a, double s) {
+  return add(a, s);
+}
+Tensor operator-(const Tensor& a, double s) {
+  return sub(a, s);
+}
+Tensor operator*(const Tensor& a, double s) {
+  return mul(a, s);
+}
+Tensor operator/(const Tensor& a, double s) {
+  return div(a, s);
+}
+Tensor operator-(const Tensor& a) {
+  return neg(a);
+}
 
 }  // namespace tandem::ops

@@ -11,8 +11,8 @@ using detail::dispatch;
 
 void fill_(const Tensor& dst, double value) {
   TensorArg a = arg_of(dst);
-  dispatch(dst.device(), [=] { cpu::fill(a, value); }, [=](void* s) { cuda::fill(a, value, s); },
-           dst);
+  dispatch(
+      dst.device(), [=] { cpu::fill(a, value); }, [=](void* s) { cuda::fill(a, value, s); }, dst);
 }
 
 Tensor full(const Shape& shape, double value, DType dtype, Device device) {
@@ -20,14 +20,24 @@ Tensor full(const Shape& shape, double value, DType dtype, Device device) {
   fill_(t, value);
   return t;
 }
-Tensor zeros(const Shape& shape, DType dtype, Device device) { return full(shape, 0.0, dtype, device); }
-Tensor ones(const Shape& shape, DType dtype, Device device) { return full(shape, 1.0, dtype, device); }
+Tensor zeros(const Shape& shape, DType dtype, Device device) {
+  return full(shape, 0.0, dtype, device);
+}
+Tensor ones(const Shape& shape, DType dtype, Device device) {
+  return full(shape, 1.0, dtype, device);
+}
 Tensor scalar_tensor(double value, DType dtype, Device device) {
   return full(Shape{}, value, dtype, device);
 }
-Tensor empty_like(const Tensor& t) { return empty(t.shape(), t.dtype(), t.device()); }
-Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), t.dtype(), t.device()); }
-Tensor ones_like(const Tensor& t) { return ones(t.shape(), t.dtype(), t.device()); }
+Tensor empty_like(const Tensor& t) {
+  return empty(t.shape(), t.dtype(), t.device());
+}
+Tensor zeros_like(const Tensor& t) {
+  return zeros(t.shape(), t.dtype(), t.device());
+}
+Tensor ones_like(const Tensor& t) {
+  return ones(t.shape(), t.dtype(), t.device());
+}
 Tensor full_like(const Tensor& t, double value) {
   return full(t.shape(), value, t.dtype(), t.device());
 }
@@ -41,8 +51,9 @@ Tensor arange(double start, double end, double step, DType dtype, Device device)
   auto n = static_cast<int64_t>(std::ceil((end - start) / step));
   Tensor t = empty(Shape{std::max<int64_t>(n, 0)}, dtype, device);
   TensorArg a = arg_of(t);
-  dispatch(device, [=] { cpu::arange(a, start, step); },
-           [=](void* s) { cuda::arange(a, start, step, s); }, t);
+  dispatch(
+      device, [=] { cpu::arange(a, start, step); },
+      [=](void* s) { cuda::arange(a, start, step, s); }, t);
   return t;
 }
 
@@ -56,7 +67,8 @@ Tensor from_vector(const std::vector<T>& values, const Shape& shape, Device devi
   Tensor host = empty(shape, dtype_of<T>::value, Device::cpu());
   if constexpr (std::is_same_v<T, bool>) {
     auto* p = static_cast<uint8_t*>(host.raw_data());
-    for (size_t i = 0; i < values.size(); ++i) p[i] = values[i] ? 1 : 0;
+    for (size_t i = 0; i < values.size(); ++i)
+      p[i] = values[i] ? 1 : 0;
   } else if (!values.empty()) {
     std::memcpy(host.raw_data(), values.data(), values.size() * sizeof(T));
   }
@@ -81,8 +93,9 @@ Tensor random_fill(const char* op, const Shape& shape, RandomKind kind, double a
   uint64_t seed = gen.seed();
   uint64_t offset = gen.advance(static_cast<uint64_t>(t.numel()));
   TensorArg arg = arg_of(t);
-  dispatch(device, [=] { cpu::random(arg, kind, seed, offset, a, b); },
-           [=](void* s) { cuda::random(arg, kind, seed, offset, a, b, s); }, t);
+  dispatch(
+      device, [=] { cpu::random(arg, kind, seed, offset, a, b); },
+      [=](void* s) { cuda::random(arg, kind, seed, offset, a, b, s); }, t);
   return t;
 }
 
@@ -114,15 +127,16 @@ void copy_(const Tensor& dst, const Tensor& src) {
     return;
   }
   broadcast_shapes(dst.shape(), src.shape(), "copy_");  // validates
-  TANDEM_CHECK(src.dim() <= dst.dim() && broadcast_shapes(dst.shape(), src.shape(), "copy_") ==
-                                             dst.shape(),
-               "[tensor::copy_] expected src {} to broadcast to dst {}", src.shape(), dst.shape());
+  TANDEM_CHECK(
+      src.dim() <= dst.dim() && broadcast_shapes(dst.shape(), src.shape(), "copy_") == dst.shape(),
+      "[tensor::copy_] expected src {} to broadcast to dst {}", src.shape(), dst.shape());
   // Overlapping source and destination: copy the source out first.
   Tensor source = dst.is_alias_of(src) ? clone(src) : src;
   TensorArg in = broadcast_arg(source, dst.shape());
   TensorArg out = arg_of(dst);
-  dispatch(dst.device(), [=] { cpu::copy(in, out); }, [=](void* s) { cuda::copy(in, out, s); },
-           dst, source);
+  dispatch(
+      dst.device(), [=] { cpu::copy(in, out); }, [=](void* s) { cuda::copy(in, out, s); }, dst,
+      source);
 }
 
 Tensor contiguous(const Tensor& t) {

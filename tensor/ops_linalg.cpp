@@ -21,9 +21,9 @@ using detail::dispatch;
 namespace {
 
 struct MatrixOperand {
-  Tensor t;      // possibly a strided view
-  bool trans;    // stored as the transpose of the logical (rows, cols)
-  int64_t ld;    // row stride of the stored matrix
+  Tensor t;    // possibly a strided view
+  bool trans;  // stored as the transpose of the logical (rows, cols)
+  int64_t ld;  // row stride of the stored matrix
 };
 
 // Makes the last two dims of `t` usable by GEMM: unit stride along one of them.
@@ -60,7 +60,9 @@ void set_num_threads(int n) {
   openblas_set_num_threads(n);
 }
 
-int num_threads() { return blas_threads.load(); }
+int num_threads() {
+  return blas_threads.load();
+}
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   apply_default_threads();
@@ -85,8 +87,10 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
                b.shape()[b.dim() - 2], a_in.shape(), b_in.shape());
 
   Shape a_batch, b_batch;
-  for (int i = 0; i < a.dim() - 2; ++i) a_batch.push_back(a.shape()[i]);
-  for (int i = 0; i < b.dim() - 2; ++i) b_batch.push_back(b.shape()[i]);
+  for (int i = 0; i < a.dim() - 2; ++i)
+    a_batch.push_back(a.shape()[i]);
+  for (int i = 0; i < b.dim() - 2; ++i)
+    b_batch.push_back(b.shape()[i]);
   Shape batch = broadcast_shapes(a_batch, b_batch, "matmul");
   Shape a_full = batch, b_full = batch, out_shape = batch;
   a_full.push_back(m);
@@ -138,8 +142,9 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
     call.a = static_cast<const char*>(ma.t.raw_data()) + a_off * static_cast<int64_t>(es);
     call.b = static_cast<const char*>(mb.t.raw_data()) + b_off * static_cast<int64_t>(es);
     call.c = static_cast<char*>(out.raw_data()) + c_off * static_cast<int64_t>(es);
-    dispatch(out.device(), [=] { cpu::gemm(call); }, [=](void* s) { cuda::gemm(call, s); }, ma.t,
-             mb.t, out);
+    dispatch(
+        out.device(), [=] { cpu::gemm(call); }, [=](void* s) { cuda::gemm(call, s); }, ma.t, mb.t,
+        out);
   };
   if (out.numel() > 0 && k == 0) {
     fill_(out, 0.0);  // an empty sum

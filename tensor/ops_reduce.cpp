@@ -25,7 +25,8 @@ ReducePlan plan_reduce(const Tensor& t, const Dims& dims, bool keepdim, const ch
   TANDEM_CHECK(t.defined(), "[tensor::{}] expected a defined tensor, got an empty handle", op);
   bool reduced[kMaxDims] = {};
   if (dims.empty()) {
-    for (int i = 0; i < t.dim(); ++i) reduced[i] = true;
+    for (int i = 0; i < t.dim(); ++i)
+      reduced[i] = true;
   }
   for (int64_t d : dims) {
     int w = wrap_dim(d, t.dim(), op);
@@ -45,7 +46,8 @@ ReducePlan plan_reduce(const Tensor& t, const Dims& dims, bool keepdim, const ch
     }
   }
   bool block = true;
-  for (int i = first; i >= 0 && i <= last; ++i) block = block && reduced[i];
+  for (int i = first; i >= 0 && i <= last; ++i)
+    block = block && reduced[i];
   if (first < 0) {  // 0-d tensor or nothing to reduce
     p.input = contiguous(t);
     p.outer = t.numel();
@@ -53,9 +55,12 @@ ReducePlan plan_reduce(const Tensor& t, const Dims& dims, bool keepdim, const ch
   }
   if (block && t.is_contiguous()) {
     p.input = t;
-    for (int i = 0; i < first; ++i) p.outer *= t.shape()[i];
-    for (int i = first; i <= last; ++i) p.r *= t.shape()[i];
-    for (int i = last + 1; i < t.dim(); ++i) p.inner *= t.shape()[i];
+    for (int i = 0; i < first; ++i)
+      p.outer *= t.shape()[i];
+    for (int i = first; i <= last; ++i)
+      p.r *= t.shape()[i];
+    for (int i = last + 1; i < t.dim(); ++i)
+      p.inner *= t.shape()[i];
     return p;
   }
   Dims order;
@@ -88,8 +93,9 @@ Tensor run_reduce(ReduceOp op, const Tensor& t, const Dims& dims, bool keepdim, 
   Tensor out = empty(p.out_shape, arg ? DType::I64 : src.dtype(), t.device());
   TensorArg ai = arg_of(p.input), ao = arg_of(out);
   int64_t outer = p.outer, r = p.r, inner = p.inner;
-  dispatch(t.device(), [=] { cpu::reduce(op, ai, outer, r, inner, ao); },
-           [=](void* s) { cuda::reduce(op, ai, outer, r, inner, ao, s); }, p.input, out);
+  dispatch(
+      t.device(), [=] { cpu::reduce(op, ai, outer, r, inner, ao); },
+      [=](void* s) { cuda::reduce(op, ai, outer, r, inner, ao, s); }, p.input, out);
   return out;
 }
 
@@ -100,9 +106,11 @@ ReducePlan plan_along(const Tensor& t, int64_t dim, const char* op) {
   ReducePlan p;
   p.input = contiguous(t);
   p.out_shape = t.shape();
-  for (int i = 0; i < d; ++i) p.outer *= t.shape()[i];
+  for (int i = 0; i < d; ++i)
+    p.outer *= t.shape()[i];
   p.r = t.dim() == 0 ? 1 : t.shape()[d];
-  for (int i = d + 1; i < t.dim(); ++i) p.inner *= t.shape()[i];
+  for (int i = d + 1; i < t.dim(); ++i)
+    p.inner *= t.shape()[i];
   return p;
 }
 
@@ -113,8 +121,9 @@ Tensor run_softmax(const Tensor& t, int64_t dim, bool log) {
   Tensor out = empty(p.out_shape, src.dtype(), t.device());
   TensorArg ai = arg_of(p.input), ao = arg_of(out);
   int64_t outer = p.outer, r = p.r, inner = p.inner;
-  dispatch(t.device(), [=] { cpu::softmax(ai, outer, r, inner, log, ao); },
-           [=](void* s) { cuda::softmax(ai, outer, r, inner, log, ao, s); }, p.input, out);
+  dispatch(
+      t.device(), [=] { cpu::softmax(ai, outer, r, inner, log, ao); },
+      [=](void* s) { cuda::softmax(ai, outer, r, inner, log, ao, s); }, p.input, out);
   return out;
 }
 
@@ -148,13 +157,18 @@ Tensor cumsum(const Tensor& t, int64_t dim) {
   Tensor out = empty(p.out_shape, src.dtype(), t.device());
   TensorArg ai = arg_of(p.input), ao = arg_of(out);
   int64_t outer = p.outer, r = p.r, inner = p.inner;
-  dispatch(t.device(), [=] { cpu::cumsum(ai, outer, r, inner, ao); },
-           [=](void* s) { cuda::cumsum(ai, outer, r, inner, ao, s); }, p.input, out);
+  dispatch(
+      t.device(), [=] { cpu::cumsum(ai, outer, r, inner, ao); },
+      [=](void* s) { cuda::cumsum(ai, outer, r, inner, ao, s); }, p.input, out);
   return out;
 }
 
-Tensor softmax(const Tensor& t, int64_t dim) { return run_softmax(t, dim, false); }
-Tensor log_softmax(const Tensor& t, int64_t dim) { return run_softmax(t, dim, true); }
+Tensor softmax(const Tensor& t, int64_t dim) {
+  return run_softmax(t, dim, false);
+}
+Tensor log_softmax(const Tensor& t, int64_t dim) {
+  return run_softmax(t, dim, true);
+}
 
 bool allclose(const Tensor& a, const Tensor& b, double rtol, double atol) {
   if (!a.defined() || !b.defined()) return a.defined() == b.defined();

@@ -97,11 +97,14 @@ Tensor flatten(const Tensor& t, int64_t start_dim, int64_t end_dim) {
   int b = wrap_dim(end_dim, t.dim(), "flatten");
   TANDEM_CHECK(a <= b, "[tensor::flatten] expected start_dim <= end_dim, got {} > {}", a, b);
   Shape s;
-  for (int i = 0; i < a; ++i) s.push_back(t.shape()[i]);
+  for (int i = 0; i < a; ++i)
+    s.push_back(t.shape()[i]);
   int64_t merged = 1;
-  for (int i = a; i <= b; ++i) merged *= t.shape()[i];
+  for (int i = a; i <= b; ++i)
+    merged *= t.shape()[i];
   s.push_back(merged);
-  for (int i = b + 1; i < t.dim(); ++i) s.push_back(t.shape()[i]);
+  for (int i = b + 1; i < t.dim(); ++i)
+    s.push_back(t.shape()[i]);
   return reshape(t, s);
 }
 
@@ -194,8 +197,8 @@ Tensor expand(const Tensor& t, const Shape& shape) {
     int64_t have = t.shape()[j];
     if (shape[i] == -1) out[i] = have;
     TANDEM_CHECK(out[i] == have || have == 1,
-                 "[tensor::expand] expected dim {} of {} to be 1 or {}, got {} -> {}", j,
-                 t.shape(), out[i], have, shape);
+                 "[tensor::expand] expected dim {} of {} to be 1 or {}, got {} -> {}", j, t.shape(),
+                 out[i], have, shape);
     strides[i] = out[i] == have ? t.strides()[j] : 0;
   }
   return make_view(t, out, strides, t.storage_offset());

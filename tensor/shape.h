@@ -41,23 +41,27 @@ class Dims {
   }
   void insert(int pos, int64_t v) {
     push_back(0);
-    for (int i = size_ - 1; i > pos; --i) data_[i] = data_[i - 1];
+    for (int i = size_ - 1; i > pos; --i)
+      data_[i] = data_[i - 1];
     data_[pos] = v;
   }
   void erase(int pos) {
-    for (int i = pos; i + 1 < size_; ++i) data_[i] = data_[i + 1];
+    for (int i = pos; i + 1 < size_; ++i)
+      data_[i] = data_[i + 1];
     --size_;
   }
   void resize(int n, int64_t fill = 0) {
     TANDEM_CHECK(n >= 0 && n <= kMaxDims, "[tensor::Dims] expected at most {} dims, got {}",
                  kMaxDims, n);
-    for (int i = size_; i < n; ++i) data_[i] = fill;
+    for (int i = size_; i < n; ++i)
+      data_[i] = fill;
     size_ = n;
   }
   std::vector<int64_t> vec() const { return std::vector<int64_t>(begin(), end()); }
   int64_t numel() const {
     int64_t n = 1;
-    for (int i = 0; i < size_; ++i) n *= data_[i];
+    for (int i = 0; i < size_; ++i)
+      n *= data_[i];
     return n;
   }
   std::string str() const;
@@ -74,7 +78,8 @@ class Dims {
   template <class It>
   void assign(It first, It last) {
     size_ = 0;
-    for (; first != last; ++first) push_back(*first);
+    for (; first != last; ++first)
+      push_back(*first);
   }
   int64_t data_[kMaxDims] = {};
   int size_ = 0;

@@ -14,7 +14,9 @@ StorageImpl::StorageImpl(size_t n, Device d, const Stream& stream)
   data = allocator->allocate(n, stream);
 }
 
-StorageImpl::~StorageImpl() { allocator->deallocate(data); }
+StorageImpl::~StorageImpl() {
+  allocator->deallocate(data);
+}
 
 Tensor::Tensor(std::shared_ptr<StorageImpl> storage, Shape shape, Dims strides, int64_t offset,
                DType dtype)
@@ -24,8 +26,12 @@ Tensor::Tensor(std::shared_ptr<StorageImpl> storage, Shape shape, Dims strides, 
       offset_(offset),
       dtype_(dtype) {}
 
-int64_t Tensor::size(int64_t d) const { return shape_[wrap_dim(d, dim(), "size")]; }
-int64_t Tensor::stride(int64_t d) const { return strides_[wrap_dim(d, dim(), "stride")]; }
+int64_t Tensor::size(int64_t d) const {
+  return shape_[wrap_dim(d, dim(), "size")];
+}
+int64_t Tensor::stride(int64_t d) const {
+  return strides_[wrap_dim(d, dim(), "stride")];
+}
 
 bool Tensor::is_contiguous() const {
   int64_t expected = 1;
@@ -116,7 +122,8 @@ std::string Tensor::str() const {
     Tensor d = ops::to(*this, DType::F64);
     std::vector<double> v = d.to_vector<double>();
     s += ", values=[";
-    for (size_t i = 0; i < v.size(); ++i) s += fmt::format("{}{:.6g}", i ? ", " : "", v[i]);
+    for (size_t i = 0; i < v.size(); ++i)
+      s += fmt::format("{}{:.6g}", i ? ", " : "", v[i]);
     s += "]";
   }
   return s + ")";

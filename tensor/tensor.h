@@ -30,7 +30,7 @@ struct StorageImpl {
   void* data = nullptr;
   size_t nbytes = 0;
   Device device;
-  Allocator* allocator;  // process-lifetime (allocator_for)
+  Allocator* allocator;      // process-lifetime (allocator_for)
   uint64_t alloc_stream_id;  // Note [Caching allocator]
 };
 

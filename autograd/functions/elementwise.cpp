@@ -23,8 +23,10 @@ struct InputInfo {
   }
 };
 
-#define TANDEM_NODE_NAME(N) \
-  const char* name() const override { return #N; }
+#define TANDEM_NODE_NAME(N)           \
+  const char* name() const override { \
+    return #N;                        \
+  }
 
 struct AddBackward final : Node {
   TANDEM_NODE_NAME(AddBackward)
@@ -80,7 +82,8 @@ struct MaxMinBackward final : Node {
   std::vector<Tensor> apply(std::vector<Tensor>& g) override {
     Tensor wins_a = is_max ? ops::gt(a, b) : ops::lt(a, b);
     Tensor tie = ops::eq(a, b);
-    Tensor share_a = ops::add(ops::to(wins_a, g[0].dtype()), ops::mul(ops::to(tie, g[0].dtype()), 0.5));
+    Tensor share_a =
+        ops::add(ops::to(wins_a, g[0].dtype()), ops::mul(ops::to(tie, g[0].dtype()), 0.5));
     Tensor ga = ops::mul(g[0], share_a);
     Tensor gb = ops::sub(g[0], ga);
     return {needs_grad(0) ? fit(ga, a.shape(), a.dtype()) : Tensor(),
@@ -93,7 +96,7 @@ struct MaxMinBackward final : Node {
 struct UnaryBackward final : Node {
   const char* node_name = "UnaryBackward";
   const char* name() const override { return node_name; }
-  Tensor saved;  // input or output, as `local` needs
+  Tensor saved;                                               // input or output, as `local` needs
   std::function<Tensor(const Tensor&, const Tensor&)> local;  // (g, saved) -> grad_in
   DType in_dtype = DType::F32;
   std::vector<Tensor> apply(std::vector<Tensor>& g) override {
@@ -139,8 +142,12 @@ Tensor sign(const Tensor& x) {
 
 }  // namespace
 
-Tensor add(const Tensor& a, const Tensor& b) { return binary_add(a, b, 1.0); }
-Tensor sub(const Tensor& a, const Tensor& b) { return binary_add(a, b, -1.0); }
+Tensor add(const Tensor& a, const Tensor& b) {
+  return binary_add(a, b, 1.0);
+}
+Tensor sub(const Tensor& a, const Tensor& b) {
+  return binary_add(a, b, -1.0);
+}
 
 Tensor mul(const Tensor& a, const Tensor& b) {
   Tensor out = ops::mul(a, b);
@@ -171,8 +178,12 @@ Tensor pow(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-Tensor maximum(const Tensor& a, const Tensor& b) { return max_min(a, b, true); }
-Tensor minimum(const Tensor& a, const Tensor& b) { return max_min(a, b, false); }
+Tensor maximum(const Tensor& a, const Tensor& b) {
+  return max_min(a, b, true);
+}
+Tensor minimum(const Tensor& a, const Tensor& b) {
+  return max_min(a, b, false);
+}
 
 Tensor add(const Tensor& a, double s) {
   return unary("AddScalarBackward", a, ops::add(a, s), false,
@@ -202,9 +213,10 @@ Tensor rdiv(const Tensor& a, double s) {
   });
 }
 Tensor pow(const Tensor& a, double e) {
-  return unary("PowScalarBackward", a, ops::pow(a, e), false, [e](const Tensor& g, const Tensor& x) {
-    return ops::mul(g, ops::mul(ops::pow(x, e - 1.0), e));
-  });
+  return unary("PowScalarBackward", a, ops::pow(a, e), false,
+               [e](const Tensor& g, const Tensor& x) {
+                 return ops::mul(g, ops::mul(ops::pow(x, e - 1.0), e));
+               });
 }
 Tensor neg(const Tensor& a) {
   return unary("NegBackward", a, ops::neg(a), false,
@@ -219,9 +231,8 @@ Tensor log(const Tensor& a) {
                [](const Tensor& g, const Tensor& x) { return ops::div(g, x); });
 }
 Tensor sqrt(const Tensor& a) {
-  return unary("SqrtBackward", a, ops::sqrt(a), true, [](const Tensor& g, const Tensor& y) {
-    return ops::div(ops::mul(g, 0.5), y);
-  });
+  return unary("SqrtBackward", a, ops::sqrt(a), true,
+               [](const Tensor& g, const Tensor& y) { return ops::div(ops::mul(g, 0.5), y); });
 }
 Tensor rsqrt(const Tensor& a) {
   return unary("RsqrtBackward", a, ops::rsqrt(a), true, [](const Tensor& g, const Tensor& y) {
@@ -255,7 +266,8 @@ Tensor gelu(const Tensor& a) {
     Tensor t = ops::tanh(ops::mul(ops::mul(x, ops::add(ops::mul(x2, c), 1.0)), k));
     Tensor du = ops::mul(ops::add(ops::mul(x2, 3.0 * c), 1.0), k);
     Tensor sech2 = ops::rsub(ops::mul(t, t), 1.0);
-    Tensor d = ops::add(ops::mul(ops::add(t, 1.0), 0.5), ops::mul(ops::mul(ops::mul(x, sech2), du), 0.5));
+    Tensor d =
+        ops::add(ops::mul(ops::add(t, 1.0), 0.5), ops::mul(ops::mul(ops::mul(x, sech2), du), 0.5));
     return ops::mul(g, d);
   });
 }
@@ -295,17 +307,41 @@ Tensor where(const Tensor& cond, const Tensor& a, double b) {
   return where(cond, a, ops::scalar_tensor(b, a.dtype(), a.device()));
 }
 
-Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
-Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
-Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
-Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
-Tensor operator+(const Tensor& a, double s) { return add(a, s); }
-Tensor operator-(const Tensor& a, double s) { return sub(a, s); }
-Tensor operator*(const Tensor& a, double s) { return mul(a, s); }
-Tensor operator/(const Tensor& a, double s) { return div(a, s); }
-Tensor operator*(double s, const Tensor& a) { return mul(a, s); }
-Tensor operator+(double s, const Tensor& a) { return add(a, s); }
-Tensor operator-(double s, const Tensor& a) { return rsub(a, s); }
-Tensor operator-(const Tensor& a) { return neg(a); }
+Tensor operator+(const Tensor& a, const Tensor& b) {
+  return add(a, b);
+}
+Tensor operator-(const Tensor& a, const Tensor& b) {
+  return sub(a, b);
+}
+Tensor operator*(const Tensor& a, const Tensor& b) {
+  return mul(a, b);
+}
+Tensor operator/(const Tensor& a, const Tensor& b) {
+  return div(a, b);
+}
+Tensor operator+(const Tensor& a, double s) {
+  return add(a, s);
+}
+Tensor operator-(const Tensor& a, double s) {
+  return sub(a, s);
+}
+Tensor operator*(const Tensor& a, double s) {
+  return mul(a, s);
+}
+Tensor operator/(const Tensor& a, double s) {
+  return div(a, s);
+}
+Tensor operator*(double s, const Tensor& a) {
+  return mul(a, s);
+}
+Tensor operator+(double s, const Tensor& a) {
+  return add(a, s);
+}
+Tensor operator-(double s, const Tensor& a) {
+  return rsub(a, s);
+}
+Tensor operator-(const Tensor& a) {
+  return neg(a);
+}
 
 }  // namespace tandem

@@ -35,19 +35,21 @@ std::vector<Tensor> attention_backward(const Tensor& q, const Tensor& k, const T
     visible = ops::where(mask, visible, ops::zeros(Shape{}, DType::Bool, q.device()));
   }
   p = ops::where(visible, p, 0.0);
-  Tensor dv = ops::matmul(ops::transpose(p, -1, -2), dog);    // (B, Hkv, Sk, D)
+  Tensor dv = ops::matmul(ops::transpose(p, -1, -2), dog);     // (B, Hkv, Sk, D)
   Tensor dp = ops::matmul(dog, ops::transpose(vf, -1, -2));    // (B, Hkv, G*Sq, Sk)
   Tensor delta = ops::sum(ops::mul(dog, og), Dims{-1}, true);  // (B, Hkv, G*Sq, 1)
   Tensor ds = ops::mul(ops::mul(p, ops::sub(dp, delta)), scale);
   Tensor dq = ops::reshape(ops::matmul(ds, kf), q.shape());
-  Tensor dk = ops::matmul(ops::transpose(ds, -1, -2), qg);     // (B, Hkv, Sk, D)
+  Tensor dk = ops::matmul(ops::transpose(ds, -1, -2), qg);  // (B, Hkv, Sk, D)
   return {ops::to(dq, q.dtype()), ops::to(dk, k.dtype()), ops::to(dv, v.dtype())};
 }
 
 namespace {
 
-#define TANDEM_NODE_NAME(N) \
-  const char* name() const override { return #N; }
+#define TANDEM_NODE_NAME(N)           \
+  const char* name() const override { \
+    return #N;                        \
+  }
 
 // (…, M, K) @ (…, K, N), both of rank >= 2 (1-D cases are views around it).
 struct MatmulBackward final : Node {
@@ -72,7 +74,9 @@ Tensor matmul_2d(const Tensor& a, const Tensor& b) {
 }
 
 // Rows of x as a (rows, d) view: the shape normalisation of the norm kernels.
-Tensor row_view(const Tensor& t, int64_t d) { return ops::reshape(t, Shape{-1, d}); }
+Tensor row_view(const Tensor& t, int64_t d) {
+  return ops::reshape(t, Shape{-1, d});
+}
 
 struct LayerNormBackward final : Node {
   TANDEM_NODE_NAME(LayerNormBackward)

@@ -6,16 +6,20 @@
 namespace tandem {
 namespace {
 
-#define TANDEM_NODE_NAME(N) \
-  const char* name() const override { return #N; }
+#define TANDEM_NODE_NAME(N)           \
+  const char* name() const override { \
+    return #N;                        \
+  }
 
 // Reduced dims of an input of rank `ndim` (all when `dims` is empty), sorted.
 std::vector<int> reduced_dims(const Dims& dims, int ndim, const char* op) {
   std::vector<int> out;
   if (dims.empty()) {
-    for (int i = 0; i < ndim; ++i) out.push_back(i);
+    for (int i = 0; i < ndim; ++i)
+      out.push_back(i);
   } else {
-    for (int64_t d : dims) out.push_back(wrap_dim(d, ndim, op));
+    for (int64_t d : dims)
+      out.push_back(wrap_dim(d, ndim, op));
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -25,7 +29,8 @@ std::vector<int> reduced_dims(const Dims& dims, int ndim, const char* op) {
 Tensor restore_dims(const Tensor& g, const std::vector<int>& reduced, bool keepdim, int ndim) {
   if (keepdim || ndim == 0) return g;
   Tensor out = g;
-  for (int d : reduced) out = ops::unsqueeze(out, d);
+  for (int d : reduced)
+    out = ops::unsqueeze(out, d);
   return out;
 }
 
@@ -51,7 +56,8 @@ struct AmaxBackward final : Node {
   std::vector<Tensor> apply(std::vector<Tensor>& g) override {
     Tensor mask = ops::to(ops::eq(input, out_keep), input.dtype());
     Dims dims;
-    for (int d : reduced) dims.push_back(d);
+    for (int d : reduced)
+      dims.push_back(d);
     Tensor count = ops::sum(mask, dims, true);
     Tensor gk = restore_dims(g[0], reduced, keepdim, input.dim());
     return {ops::div(ops::mul(mask, gk), count)};
@@ -93,7 +99,8 @@ Tensor reduce_sum(const Tensor& t, const Dims& dims, bool keepdim, bool is_mean)
     node->keepdim = keepdim;
     if (is_mean) {
       int64_t count = 1;
-      for (int d : node->reduced) count *= t.shape()[d];
+      for (int d : node->reduced)
+        count *= t.shape()[d];
       node->scale = count > 0 ? 1.0 / static_cast<double>(count) : 0.0;
     }
   }
@@ -105,7 +112,8 @@ Tensor extremum(const Tensor& t, const Dims& dims, bool keepdim, bool is_max) {
   std::vector<int> reduced = reduced_dims(dims, t.dim(), is_max ? "amax" : "amin");
   Tensor out = out_keep;
   if (!keepdim && t.dim() > 0) {
-    for (auto it = reduced.rbegin(); it != reduced.rend(); ++it) out = ops::squeeze(out, *it);
+    for (auto it = reduced.rbegin(); it != reduced.rend(); ++it)
+      out = ops::squeeze(out, *it);
   }
   out = detach(out);
   if (auto node = record<AmaxBackward>({&t}, {&out})) {

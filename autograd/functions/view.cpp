@@ -6,8 +6,10 @@
 namespace tandem {
 namespace {
 
-#define TANDEM_NODE_NAME(N) \
-  const char* name() const override { return #N; }
+#define TANDEM_NODE_NAME(N)           \
+  const char* name() const override { \
+    return #N;                        \
+  }
 
 struct ReshapeBackward final : Node {
   TANDEM_NODE_NAME(ReshapeBackward)
@@ -18,7 +20,9 @@ struct ReshapeBackward final : Node {
 struct PermuteBackward final : Node {
   TANDEM_NODE_NAME(PermuteBackward)
   Dims inverse;
-  std::vector<Tensor> apply(std::vector<Tensor>& g) override { return {ops::permute(g[0], inverse)}; }
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    return {ops::permute(g[0], inverse)};
+  }
 };
 
 // narrow/slice/select: the gradient lands at the viewed elements of zeros.
@@ -65,7 +69,8 @@ struct CatBackward final : Node {
   int dim = 0;
   std::vector<Tensor> apply(std::vector<Tensor>& g) override {
     std::vector<Tensor> parts = ops::split_sizes(g[0], sizes, dim);
-    for (size_t i = 0; i < parts.size(); ++i) parts[i] = ops::to(parts[i], dtypes[i]);
+    for (size_t i = 0; i < parts.size(); ++i)
+      parts[i] = ops::to(parts[i], dtypes[i]);
     return parts;
   }
 };
@@ -101,26 +106,41 @@ Tensor identity(const char* name, const Tensor& t, Tensor out) {
 
 }  // namespace
 
-Tensor view(const Tensor& t, const Shape& shape) { return reshaped(t, ops::view(t, shape)); }
-Tensor reshape(const Tensor& t, const Shape& shape) { return reshaped(t, ops::reshape(t, shape)); }
-Tensor flatten(const Tensor& t, int64_t a, int64_t b) { return reshaped(t, ops::flatten(t, a, b)); }
-Tensor squeeze(const Tensor& t) { return reshaped(t, ops::squeeze(t)); }
-Tensor squeeze(const Tensor& t, int64_t dim) { return reshaped(t, ops::squeeze(t, dim)); }
-Tensor unsqueeze(const Tensor& t, int64_t dim) { return reshaped(t, ops::unsqueeze(t, dim)); }
+Tensor view(const Tensor& t, const Shape& shape) {
+  return reshaped(t, ops::view(t, shape));
+}
+Tensor reshape(const Tensor& t, const Shape& shape) {
+  return reshaped(t, ops::reshape(t, shape));
+}
+Tensor flatten(const Tensor& t, int64_t a, int64_t b) {
+  return reshaped(t, ops::flatten(t, a, b));
+}
+Tensor squeeze(const Tensor& t) {
+  return reshaped(t, ops::squeeze(t));
+}
+Tensor squeeze(const Tensor& t, int64_t dim) {
+  return reshaped(t, ops::squeeze(t, dim));
+}
+Tensor unsqueeze(const Tensor& t, int64_t dim) {
+  return reshaped(t, ops::unsqueeze(t, dim));
+}
 
 Tensor permute(const Tensor& t, const Dims& dims) {
   Tensor out = detach(ops::permute(t, dims));
   if (auto node = record<PermuteBackward>({&t}, {&out})) {
     node->inverse = Dims::filled(dims.size(), 0);
-    for (int i = 0; i < dims.size(); ++i) node->inverse[wrap_dim(dims[i], t.dim(), "permute")] = i;
+    for (int i = 0; i < dims.size(); ++i)
+      node->inverse[wrap_dim(dims[i], t.dim(), "permute")] = i;
   }
   return out;
 }
 
 Tensor transpose(const Tensor& t, int64_t dim0, int64_t dim1) {
   Dims order = Dims::filled(t.dim(), 0);
-  for (int i = 0; i < t.dim(); ++i) order[i] = i;
-  std::swap(order[wrap_dim(dim0, t.dim(), "transpose")], order[wrap_dim(dim1, t.dim(), "transpose")]);
+  for (int i = 0; i < t.dim(); ++i)
+    order[i] = i;
+  std::swap(order[wrap_dim(dim0, t.dim(), "transpose")],
+            order[wrap_dim(dim1, t.dim(), "transpose")]);
   return permute(t, order);
 }
 
@@ -185,8 +205,12 @@ std::vector<Tensor> chunk(const Tensor& t, int64_t chunks, int64_t dim) {
   return parts;
 }
 
-Tensor contiguous(const Tensor& t) { return identity("ContiguousBackward", t, ops::contiguous(t)); }
-Tensor clone(const Tensor& t) { return identity("CloneBackward", t, ops::clone(t)); }
+Tensor contiguous(const Tensor& t) {
+  return identity("ContiguousBackward", t, ops::contiguous(t));
+}
+Tensor clone(const Tensor& t) {
+  return identity("CloneBackward", t, ops::clone(t));
+}
 
 Tensor to(const Tensor& t, DType dtype) {
   if (t.dtype() == dtype) return t;
@@ -227,7 +251,8 @@ Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
   TANDEM_CHECK(!tensors.empty(), "[tensor::stack] expected at least one tensor, got none");
   int d = wrap_dim(dim, tensors[0].dim() + 1, "stack");
   std::vector<Tensor> parts;
-  for (const Tensor& t : tensors) parts.push_back(unsqueeze(t, d));
+  for (const Tensor& t : tensors)
+    parts.push_back(unsqueeze(t, d));
   return cat(parts, d);
 }
 

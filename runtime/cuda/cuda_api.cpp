@@ -7,7 +7,9 @@
 
 namespace tandem::cuda_api {
 
-bool compiled() { return true; }
+bool compiled() {
+  return true;
+}
 
 int device_count() {
   int count = 0;  // left untouched when the call fails (no driver)
@@ -18,7 +20,9 @@ int device_count() {
   return count;
 }
 
-void set_device(int device) { TANDEM_CUDA_CHECK(cudaSetDevice(device)); }
+void set_device(int device) {
+  TANDEM_CUDA_CHECK(cudaSetDevice(device));
+}
 
 int current_device() {
   int device = 0;
@@ -57,7 +61,9 @@ void* stream_create(int device) {
   return s;
 }
 
-void stream_destroy(void* stream) { (void)cudaStreamDestroy(static_cast<cudaStream_t>(stream)); }
+void stream_destroy(void* stream) {
+  (void)cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
 
 void stream_synchronize(void* stream) {
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
@@ -77,7 +83,9 @@ void* event_create(int device) {
   return e;
 }
 
-void event_destroy(void* event) { (void)cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
+void event_destroy(void* event) {
+  (void)cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
 
 void event_record(void* event, void* stream) {
   TANDEM_CUDA_CHECK(

@@ -6,9 +6,9 @@
 
 #include "runtime/error.h"
 
-#define TANDEM_CUDA_CHECK(expr)                                                          \
-  do {                                                                                   \
-    cudaError_t tandem_err_ = (expr);                                                    \
-    TANDEM_CHECK(tandem_err_ == cudaSuccess, "[cuda] {} failed: {} ({})", #expr,         \
-                 cudaGetErrorString(tandem_err_), static_cast<int>(tandem_err_));        \
+#define TANDEM_CUDA_CHECK(expr)                                                   \
+  do {                                                                            \
+    cudaError_t tandem_err_ = (expr);                                             \
+    TANDEM_CHECK(tandem_err_ == cudaSuccess, "[cuda] {} failed: {} ({})", #expr,  \
+                 cudaGetErrorString(tandem_err_), static_cast<int>(tandem_err_)); \
   } while (0)

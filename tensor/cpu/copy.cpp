@@ -39,9 +39,11 @@ void copy(const TensorArg& in, const TensorArg& out) {
         const From* x = pi + off[0];
         To* y = po + off[1];
         if (st[0] == 1 && st[1] == 1) {
-          for (int64_t i = 0; i < n; ++i) y[i] = convert<To>(x[i]);
+          for (int64_t i = 0; i < n; ++i)
+            y[i] = convert<To>(x[i]);
         } else {
-          for (int64_t i = 0; i < n; ++i) y[i * st[1]] = convert<To>(x[i * st[0]]);
+          for (int64_t i = 0; i < n; ++i)
+            y[i * st[1]] = convert<To>(x[i * st[0]]);
         }
       });
     });
@@ -59,7 +61,8 @@ void fill(const TensorArg& out, double value) {
     }
     T* po = static_cast<T*>(out.data);
     for_each_row<1>(out, {&out}, [&](auto off, auto st, int64_t n) {
-      for (int64_t i = 0; i < n; ++i) po[off[0] + i * st[0]] = v;
+      for (int64_t i = 0; i < n; ++i)
+        po[off[0] + i * st[0]] = v;
     });
   });
 }

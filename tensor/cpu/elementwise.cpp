@@ -14,29 +14,43 @@ namespace {
 template <class A>
 inline A gelu_tanh(A x) {
   const A k = static_cast<A>(0.7978845608028654);  // sqrt(2/pi)
-  return static_cast<A>(0.5) * x * (static_cast<A>(1) + std::tanh(k * (x + static_cast<A>(0.044715) * x * x * x)));
+  return static_cast<A>(0.5) * x *
+         (static_cast<A>(1) + std::tanh(k * (x + static_cast<A>(0.044715) * x * x * x)));
 }
 
 // Calls fn(functor) with the functor of `op` for arithmetic type A.
 template <class A, class Fn>
 void with_unary(UnaryOp op, Fn&& fn) {
   switch (op) {
-    case UnaryOp::Neg: return fn([](A x) { return static_cast<A>(-x); });
-    case UnaryOp::Abs: return fn([](A x) { return x < A(0) ? static_cast<A>(-x) : x; });
-    case UnaryOp::Relu: return fn([](A x) { return x > A(0) ? x : A(0); });
-    default: break;
+    case UnaryOp::Neg:
+      return fn([](A x) { return static_cast<A>(-x); });
+    case UnaryOp::Abs:
+      return fn([](A x) { return x < A(0) ? static_cast<A>(-x) : x; });
+    case UnaryOp::Relu:
+      return fn([](A x) { return x > A(0) ? x : A(0); });
+    default:
+      break;
   }
   if constexpr (std::is_floating_point_v<A>) {
     switch (op) {
-      case UnaryOp::Exp: return fn([](A x) { return std::exp(x); });
-      case UnaryOp::Log: return fn([](A x) { return std::log(x); });
-      case UnaryOp::Sqrt: return fn([](A x) { return std::sqrt(x); });
-      case UnaryOp::Rsqrt: return fn([](A x) { return A(1) / std::sqrt(x); });
-      case UnaryOp::Tanh: return fn([](A x) { return std::tanh(x); });
-      case UnaryOp::Sigmoid: return fn([](A x) { return A(1) / (A(1) + std::exp(-x)); });
-      case UnaryOp::Gelu: return fn([](A x) { return gelu_tanh(x); });
-      case UnaryOp::Silu: return fn([](A x) { return x / (A(1) + std::exp(-x)); });
-      default: break;
+      case UnaryOp::Exp:
+        return fn([](A x) { return std::exp(x); });
+      case UnaryOp::Log:
+        return fn([](A x) { return std::log(x); });
+      case UnaryOp::Sqrt:
+        return fn([](A x) { return std::sqrt(x); });
+      case UnaryOp::Rsqrt:
+        return fn([](A x) { return A(1) / std::sqrt(x); });
+      case UnaryOp::Tanh:
+        return fn([](A x) { return std::tanh(x); });
+      case UnaryOp::Sigmoid:
+        return fn([](A x) { return A(1) / (A(1) + std::exp(-x)); });
+      case UnaryOp::Gelu:
+        return fn([](A x) { return gelu_tanh(x); });
+      case UnaryOp::Silu:
+        return fn([](A x) { return x / (A(1) + std::exp(-x)); });
+      default:
+        break;
     }
   }
   TANDEM_FAIL("[cpu::unary] op {} is not defined for this dtype", static_cast<int>(op));
@@ -57,9 +71,12 @@ inline A int_pow(A base, A exp) {
 template <class A, class Fn>
 void with_binary(BinaryOp op, Fn&& fn) {
   switch (op) {
-    case BinaryOp::Add: return fn([](A x, A y) { return static_cast<A>(x + y); });
-    case BinaryOp::Sub: return fn([](A x, A y) { return static_cast<A>(x - y); });
-    case BinaryOp::Mul: return fn([](A x, A y) { return static_cast<A>(x * y); });
+    case BinaryOp::Add:
+      return fn([](A x, A y) { return static_cast<A>(x + y); });
+    case BinaryOp::Sub:
+      return fn([](A x, A y) { return static_cast<A>(x - y); });
+    case BinaryOp::Mul:
+      return fn([](A x, A y) { return static_cast<A>(x * y); });
     case BinaryOp::Div:
       if constexpr (std::is_integral_v<A>) {
         // Integer division by zero is undefined behaviour in C++: define it as 0.
@@ -73,14 +90,22 @@ void with_binary(BinaryOp op, Fn&& fn) {
       } else {
         return fn([](A x, A y) { return std::pow(x, y); });
       }
-    case BinaryOp::Maximum: return fn([](A x, A y) { return x != x ? x : (x > y ? x : y); });
-    case BinaryOp::Minimum: return fn([](A x, A y) { return x != x ? x : (x < y ? x : y); });
-    case BinaryOp::Eq: return fn([](A x, A y) { return x == y; });
-    case BinaryOp::Ne: return fn([](A x, A y) { return x != y; });
-    case BinaryOp::Lt: return fn([](A x, A y) { return x < y; });
-    case BinaryOp::Le: return fn([](A x, A y) { return x <= y; });
-    case BinaryOp::Gt: return fn([](A x, A y) { return x > y; });
-    case BinaryOp::Ge: return fn([](A x, A y) { return x >= y; });
+    case BinaryOp::Maximum:
+      return fn([](A x, A y) { return x != x ? x : (x > y ? x : y); });
+    case BinaryOp::Minimum:
+      return fn([](A x, A y) { return x != x ? x : (x < y ? x : y); });
+    case BinaryOp::Eq:
+      return fn([](A x, A y) { return x == y; });
+    case BinaryOp::Ne:
+      return fn([](A x, A y) { return x != y; });
+    case BinaryOp::Lt:
+      return fn([](A x, A y) { return x < y; });
+    case BinaryOp::Le:
+      return fn([](A x, A y) { return x <= y; });
+    case BinaryOp::Gt:
+      return fn([](A x, A y) { return x > y; });
+    case BinaryOp::Ge:
+      return fn([](A x, A y) { return x >= y; });
   }
 }
 
@@ -95,7 +120,8 @@ void binary_loop(const TensorArg& a, const TensorArg& b, const TensorArg& out, F
   R* po = static_cast<R*>(out.data);
   using A = compute_t<T>;
   if (a.contiguous && b.contiguous) {
-    for (int64_t i = 0; i < out.numel; ++i) po[i] = static_cast<R>(f(A(pa[i]), A(pb[i])));
+    for (int64_t i = 0; i < out.numel; ++i)
+      po[i] = static_cast<R>(f(A(pa[i]), A(pb[i])));
     return;
   }
   for_each_row<3>(out, {&a, &b, &out}, [&](auto off, auto st, int64_t n) {
@@ -104,7 +130,8 @@ void binary_loop(const TensorArg& a, const TensorArg& b, const TensorArg& out, F
     R* o = po + off[2];
     if (st[0] == 1 && st[1] == 0) {  // common broadcast: row op scalar-per-row
       A yv = A(*y);
-      for (int64_t i = 0; i < n; ++i) o[i * st[2]] = static_cast<R>(f(A(x[i]), yv));
+      for (int64_t i = 0; i < n; ++i)
+        o[i * st[2]] = static_cast<R>(f(A(x[i]), yv));
     } else {
       for (int64_t i = 0; i < n; ++i) {
         o[i * st[2]] = static_cast<R>(f(A(x[i * st[0]]), A(y[i * st[1]])));
@@ -123,7 +150,8 @@ void unary(UnaryOp op, const TensorArg& in, const TensorArg& out) {
     T* po = static_cast<T*>(out.data);
     with_unary<A>(op, [&](auto f) {
       if (in.contiguous) {
-        for (int64_t i = 0; i < out.numel; ++i) po[i] = static_cast<T>(f(A(pi[i])));
+        for (int64_t i = 0; i < out.numel; ++i)
+          po[i] = static_cast<T>(f(A(pi[i])));
         return;
       }
       for_each_row<2>(out, {&in, &out}, [&](auto off, auto st, int64_t n) {
@@ -160,7 +188,8 @@ void binary_scalar(BinaryOp op, const TensorArg& a, double s, bool scalar_first,
         const T* pa = static_cast<const T*>(a.data);
         R* po = static_cast<R*>(out.data);
         if (a.contiguous) {
-          for (int64_t i = 0; i < out.numel; ++i) po[i] = static_cast<R>(g(A(pa[i])));
+          for (int64_t i = 0; i < out.numel; ++i)
+            po[i] = static_cast<R>(g(A(pa[i])));
           return;
         }
         for_each_row<2>(out, {&a, &out}, [&](auto off, auto st, int64_t n) {

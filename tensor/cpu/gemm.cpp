@@ -46,7 +46,8 @@ void gemm_one(const A* a, const A* b, A* c, const GemmArgs& g, int64_t lda, int6
 template <class T>
 void widen(const T* src, float* dst, int64_t rows, int64_t cols, int64_t ld) {
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = float(src[r * ld + c]);
+    for (int64_t c = 0; c < cols; ++c)
+      dst[r * cols + c] = float(src[r * ld + c]);
   }
 }
 
@@ -86,7 +87,8 @@ void gemm(const GemmArgs& g) {
             if (g.beta != 0.0f) widen(c, fc.data(), g.m, g.n, g.ldc);
             gemm_one<float>(fa.data(), fb.data(), fc.data(), g, ac, bc, g.n);
             for (int64_t r = 0; r < g.m; ++r) {
-              for (int64_t col = 0; col < g.n; ++col) c[r * g.ldc + col] = T(fc[r * g.n + col]);
+              for (int64_t col = 0; col < g.n; ++col)
+                c[r * g.ldc + col] = T(fc[r * g.n + col]);
             }
           }
         }

@@ -31,10 +31,12 @@ Layout<K> coalesce(const TensorArg& shape_of, const std::array<const TensorArg*,
     }
     if (merge) {
       l.shape[l.ndim - 1] *= shape_of.shape[d];
-      for (size_t k = 0; k < K; ++k) l.strides[k][l.ndim - 1] = args[k]->strides[d];
+      for (size_t k = 0; k < K; ++k)
+        l.strides[k][l.ndim - 1] = args[k]->strides[d];
     } else {
       l.shape[l.ndim] = shape_of.shape[d];
-      for (size_t k = 0; k < K; ++k) l.strides[k][l.ndim] = args[k]->strides[d];
+      for (size_t k = 0; k < K; ++k)
+        l.strides[k][l.ndim] = args[k]->strides[d];
       ++l.ndim;
     }
   }
@@ -55,16 +57,20 @@ void for_each_row(const TensorArg& shape_of, const std::array<const TensorArg*, 
   }
   const int last = l.ndim - 1;
   std::array<int64_t, K> inner_stride;
-  for (size_t k = 0; k < K; ++k) inner_stride[k] = l.strides[k][last];
+  for (size_t k = 0; k < K; ++k)
+    inner_stride[k] = l.strides[k][last];
   int64_t rows = 1;
-  for (int d = 0; d < last; ++d) rows *= l.shape[d];
+  for (int d = 0; d < last; ++d)
+    rows *= l.shape[d];
   int64_t idx[kMaxDims] = {};
   for (int64_t r = 0; r < rows; ++r) {
     inner(off, inner_stride, l.shape[last]);
     for (int d = last - 1; d >= 0; --d) {  // odometer increment
-      for (size_t k = 0; k < K; ++k) off[k] += l.strides[k][d];
+      for (size_t k = 0; k < K; ++k)
+        off[k] += l.strides[k][d];
       if (++idx[d] < l.shape[d]) break;
-      for (size_t k = 0; k < K; ++k) off[k] -= l.strides[k][d] * l.shape[d];
+      for (size_t k = 0; k < K; ++k)
+        off[k] -= l.strides[k][d] * l.shape[d];
       idx[d] = 0;
     }
   }

@@ -17,9 +17,11 @@ A row_sum(const T* x, int64_t n) {
   A lanes[8] = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    for (int l = 0; l < 8; ++l) lanes[l] += A(x[i + l]);
+    for (int l = 0; l < 8; ++l)
+      lanes[l] += A(x[i + l]);
   }
-  for (; i < n; ++i) lanes[0] += A(x[i]);
+  for (; i < n; ++i)
+    lanes[0] += A(x[i]);
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
          ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
@@ -53,7 +55,8 @@ void reduce(ReduceOp op, const TensorArg& in, int64_t outer, int64_t r, int64_t 
         std::fill(acc.begin(), acc.end(), A(0));
         for (int64_t j = 0; j < r; ++j) {
           const T* row = base + j * inner;
-          for (int64_t i = 0; i < inner; ++i) acc[i] += A(row[i]);
+          for (int64_t i = 0; i < inner; ++i)
+            acc[i] += A(row[i]);
         }
         for (int64_t i = 0; i < inner; ++i) {
           y[o * inner + i] = static_cast<T>(op == ReduceOp::Mean ? acc[i] * scale : acc[i]);
@@ -98,13 +101,16 @@ void softmax(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, bool 
         const T* p = x + o * r * inner + i;
         T* q = y + o * r * inner + i;
         A m = -std::numeric_limits<A>::infinity();
-        for (int64_t j = 0; j < r; ++j) m = std::max(m, A(p[j * inner]));
+        for (int64_t j = 0; j < r; ++j)
+          m = std::max(m, A(p[j * inner]));
         if (m == -std::numeric_limits<A>::infinity()) m = 0;  // all -inf: avoid inf - inf
         A s = 0;
         if (log) {
-          for (int64_t j = 0; j < r; ++j) s += std::exp(A(p[j * inner]) - m);
+          for (int64_t j = 0; j < r; ++j)
+            s += std::exp(A(p[j * inner]) - m);
           const A shift = m + std::log(s);
-          for (int64_t j = 0; j < r; ++j) q[j * inner] = static_cast<T>(A(p[j * inner]) - shift);
+          for (int64_t j = 0; j < r; ++j)
+            q[j * inner] = static_cast<T>(A(p[j * inner]) - shift);
         } else if constexpr (std::is_same_v<T, A>) {
           // The exponentials go straight into the output, then one scaling pass.
           if (inner == 1) {
@@ -113,14 +119,16 @@ void softmax(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, bool 
               s += q[j];
             }
             const A inv = s > A(0) ? A(1) / s : A(0);  // a fully masked row gives zeros
-            for (int64_t j = 0; j < r; ++j) q[j] *= inv;
+            for (int64_t j = 0; j < r; ++j)
+              q[j] *= inv;
           } else {
             for (int64_t j = 0; j < r; ++j) {
               q[j * inner] = std::exp(p[j * inner] - m);
               s += q[j * inner];
             }
             const A inv = s > A(0) ? A(1) / s : A(0);  // a fully masked row gives zeros
-            for (int64_t j = 0; j < r; ++j) q[j * inner] *= inv;
+            for (int64_t j = 0; j < r; ++j)
+              q[j * inner] *= inv;
           }
         } else {
           for (int64_t j = 0; j < r; ++j) {
@@ -128,7 +136,8 @@ void softmax(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, bool 
             s += buf[j];
           }
           const A inv = s > A(0) ? A(1) / s : A(0);  // a fully masked row gives zeros
-          for (int64_t j = 0; j < r; ++j) q[j * inner] = static_cast<T>(buf[j] * inv);
+          for (int64_t j = 0; j < r; ++j)
+            q[j * inner] = static_cast<T>(buf[j] * inv);
         }
       }
     }

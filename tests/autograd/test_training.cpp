@@ -2,8 +2,8 @@
 // small synthetic tasks to a loss no untrained model reaches, and the whole
 // run is a deterministic function of the seed (two runs, identical losses).
 #include <catch2/catch.hpp>
-#include <iostream>
 #include <cmath>
+#include <iostream>
 
 #include "autograd/nn/linear.h"
 #include "autograd/nn/transformer.h"

@@ -36,7 +36,8 @@ class RankChecks {
   // Call on the test thread after run_ranks.
   void report() {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const std::string& f : failures_) FAIL_CHECK(f);
+    for (const std::string& f : failures_)
+      FAIL_CHECK(f);
     CHECK(count_ > 0);
   }
 
@@ -48,7 +49,9 @@ class RankChecks {
 
 }  // namespace tandem::testing
 
-#define RANK_CHECK(checks, ...) \
-  (checks).check(static_cast<bool>(__VA_ARGS__), fmt::format("{}:{}: {}", __FILE__, __LINE__, #__VA_ARGS__))
-#define RANK_CHECK_THROWS_WITH(checks, expr, needle) \
-  (checks).throws_with([&] { (void)(expr); }, needle, fmt::format("{}:{}: {}", __FILE__, __LINE__, #expr))
+#define RANK_CHECK(checks, ...)                  \
+  (checks).check(static_cast<bool>(__VA_ARGS__), \
+                 fmt::format("{}:{}: {}", __FILE__, __LINE__, #__VA_ARGS__))
+#define RANK_CHECK_THROWS_WITH(checks, expr, needle)  \
+  (checks).throws_with([&] { (void)(expr); }, needle, \
+                       fmt::format("{}:{}: {}", __FILE__, __LINE__, #expr))

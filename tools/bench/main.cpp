@@ -29,8 +29,9 @@ int main(int argc, char** argv) {
   CLI::App* dtensor = app.add_subcommand(
       "dtensor", "DTensor redistribution against the raw collectives it plans to (4 ranks)");
   CLI::App* cp = app.add_subcommand(
-      "cp", "context-parallel attention modes on a simulated link: time, exposed communication, "
-            "bytes and peak memory per rank (4 ranks)");
+      "cp",
+      "context-parallel attention modes on a simulated link: time, exposed communication, "
+      "bytes and peak memory per rank (4 ranks)");
   cp->add_option("--seq", options.seq, "sequence length S (default: the largest that fits)");
   cp->add_option("--dim", options.dim, "model dimension d (default 1024, 256 with --quick)");
   cp->add_option("--heads", options.heads, "attention heads (default 16)");
