@@ -19,10 +19,13 @@
 
 #include "comm/threads/threads_backend.h"
 #include "runtime/stream.h"
+#include "tests/support/rank_checks.h"
 #include "tests/support/test_util.h"
 
 namespace tandem {
 namespace {
+
+using tandem::testing::Failures;
 
 using test::stored_value;
 using test::tensor_of;
@@ -30,37 +33,6 @@ using test::values_of;
 
 const std::vector<int> kWorldSizes = {1, 2, 3, 4, 5, 6, 7, 8};
 const std::vector<DType> kDtypes = {DType::F32, DType::BF16, DType::I64};
-
-// What the rank threads found, asserted on the test thread.
-class Failures {
- public:
-  void add(const std::string& what) {
-    std::lock_guard<std::mutex> lock(mu_);
-    list_.push_back(what);
-  }
-  bool empty() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return list_.empty();
-  }
-  std::string str() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::string s;
-    for (size_t i = 0; i < list_.size() && i < 20; ++i)
-      s += list_[i] + "\n";
-    if (list_.size() > 20) s += fmt::format("... and {} more\n", list_.size() - 20);
-    return s;
-  }
-
- private:
-  mutable std::mutex mu_;
-  std::vector<std::string> list_;
-};
-
-#define REQUIRE_NO_FAILURES(failures) \
-  do {                                \
-    INFO((failures).str());           \
-    REQUIRE((failures).empty());      \
-  } while (0)
 
 // Records a failure unless `got` has `shape` and exactly the `expected` values.
 void expect_tensor(Failures& failures, int rank, const std::string& what, const Tensor& got,

@@ -20,10 +20,13 @@
 
 #include "comm/threads/threads_backend.h"
 #include "parallel/device_mesh.h"
+#include "tests/support/rank_checks.h"
 #include "tests/support/test_util.h"
 
 namespace tandem {
 namespace {
+
+using tandem::testing::Failures;
 
 using test::ravel;
 using test::unravel;
@@ -33,45 +36,6 @@ using test::values_of;
 // literals also match std::string's (first, last) iterator constructor, so
 // the call is ambiguous between slice(string) and slice(vector<string>).
 using Names = std::vector<std::string>;
-
-// What the rank threads found, asserted on the test thread.
-class Failures {
- public:
-  void add(const std::string& what) {
-    std::lock_guard<std::mutex> lock(mu_);
-    list_.push_back(what);
-  }
-  bool empty() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return list_.empty();
-  }
-  std::string str() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::string s;
-    for (size_t i = 0; i < list_.size() && i < 20; ++i)
-      s += list_[i] + "\n";
-    if (list_.size() > 20) s += fmt::format("... and {} more\n", list_.size() - 20);
-    return s;
-  }
-  // Records a failure when `got != want`.
-  template <class T>
-  void expect_eq(int rank, const std::string& what, const T& got, const T& want) {
-    if (!(got == want)) add(fmt::format("rank {}: {}: expected {}, got {}", rank, what, want, got));
-  }
-  void expect(int rank, const std::string& what, bool ok) {
-    if (!ok) add(fmt::format("rank {}: {}", rank, what));
-  }
-
- private:
-  mutable std::mutex mu_;
-  std::vector<std::string> list_;
-};
-
-#define REQUIRE_NO_FAILURES(failures) \
-  do {                                \
-    INFO((failures).str());           \
-    REQUIRE((failures).empty());      \
-  } while (0)
 
 // A mesh to build: shape, names and the world rank at each row-major position
 // (empty: identity).

@@ -32,10 +32,13 @@
 #include "autograd/ops.h"
 #include "comm/threads/threads_backend.h"
 #include "parallel/dtensor.h"
+#include "tests/support/rank_checks.h"
 #include "tests/support/test_util.h"
 
 namespace tandem {
 namespace {
+
+using tandem::testing::Failures;
 
 using test::numel_of;
 using test::ravel;
@@ -44,64 +47,27 @@ using test::unravel;
 using test::values_of;
 using Values = std::vector<double>;
 
-// What the rank threads found, asserted on the test thread.
-class Failures {
- public:
-  void add(const std::string& what) {
-    std::lock_guard<std::mutex> lock(mu_);
-    list_.push_back(what);
+// Records a failure unless `got` has `shape` and exactly the values `want`.
+void expect_tensor(Failures& failures, int rank, const std::string& what, const Tensor& got,
+                   const std::vector<int64_t>& shape, const Values& want) {
+  if (!got.defined()) {
+    failures.add(fmt::format("rank {}: {}: undefined", rank, what));
+    return;
   }
-  bool empty() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return list_.empty();
+  if (got.shape().vec() != shape) {
+    failures.add(fmt::format("rank {}: {}: expected shape [{}], got {}", rank, what,
+                             fmt::join(shape, ","), got.shape().str()));
+    return;
   }
-  std::string str() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::string s;
-    for (size_t i = 0; i < list_.size() && i < 20; ++i)
-      s += list_[i] + "\n";
-    if (list_.size() > 20) s += fmt::format("... and {} more\n", list_.size() - 20);
-    return s;
-  }
-  void expect(int rank, const std::string& what, bool ok) {
-    if (!ok) add(fmt::format("rank {}: {}", rank, what));
-  }
-  template <class T>
-  void expect_eq(int rank, const std::string& what, const T& got, const T& want) {
-    if (!(got == want)) add(fmt::format("rank {}: {}: expected {}, got {}", rank, what, want, got));
-  }
-  // Records a failure unless `got` has `shape` and exactly the values `want`.
-  void expect_tensor(int rank, const std::string& what, const Tensor& got,
-                     const std::vector<int64_t>& shape, const Values& want) {
-    if (!got.defined()) {
-      add(fmt::format("rank {}: {}: undefined", rank, what));
+  Values values = values_of(got);
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (values[i] != want[i]) {
+      failures.add(fmt::format("rank {}: {}: expected {} at flat index {}, got {} (shape [{}])",
+                               rank, what, want[i], i, values[i], fmt::join(shape, ",")));
       return;
     }
-    if (got.shape().vec() != shape) {
-      add(fmt::format("rank {}: {}: expected shape [{}], got {}", rank, what, fmt::join(shape, ","),
-                      got.shape().str()));
-      return;
-    }
-    Values values = values_of(got);
-    for (size_t i = 0; i < values.size(); ++i) {
-      if (values[i] != want[i]) {
-        add(fmt::format("rank {}: {}: expected {} at flat index {}, got {} (shape [{}])", rank,
-                        what, want[i], i, values[i], fmt::join(shape, ",")));
-        return;
-      }
-    }
   }
-
- private:
-  mutable std::mutex mu_;
-  std::vector<std::string> list_;
-};
-
-#define REQUIRE_NO_FAILURES(failures) \
-  do {                                \
-    INFO((failures).str());           \
-    REQUIRE((failures).empty());      \
-  } while (0)
+}
 
 // Runs one case on a rank; an exception is rethrown with the case named (so
 // the test thread sees which one), except the "aborted by rank r" errors it
@@ -301,22 +267,22 @@ void check_redistribute(Failures& failures, int rank, const std::string& what,
   failures.expect_eq(rank, what + " global shape", out.shape().vec(), global);
   const Block ob = block_of(global, to, ms, coord);
   if (sum_only_partials) {
-    failures.expect_tensor(rank, what + " forward", out.to_local(), ob.shape,
-                           take(expected_values(x, from, to, ms, coord), global, ob));
+    expect_tensor(failures, rank, what + " forward", out.to_local(), ob.shape,
+                  take(expected_values(x, from, to, ms, coord), global, ob));
   } else {
     failures.expect_eq(rank, what + " local shape", out.to_local().shape().vec(), ob.shape);
   }
   {
     NoGradGuard no_grad;
-    failures.expect_tensor(rank, what + " full_tensor()", out.full_tensor(), global, x);
+    expect_tensor(failures, rank, what + " full_tensor()", out.full_tensor(), global, x);
   }
 
   const Block wb = block_of(global, grad_placements(to), ms, coord);
   Tensor w_local = tensor_of(take(w, global, wb), Shape(wb.shape));
   backward(sum(mul(out.to_local(), w_local)));
   const Block gb = block_of(global, grad_placements(from), ms, coord);
-  failures.expect_tensor(rank, what + " backward: source gradient", grad(src.leaf), gb.shape,
-                         take(w, global, gb));
+  expect_tensor(failures, rank, what + " backward: source gradient", grad(src.leaf), gb.shape,
+                take(w, global, gb));
 }
 
 // ---- the placement lists of the sweeps ----
@@ -460,8 +426,8 @@ TEST_CASE("redistribute: Partial(max/min/avg) to Replicate and Shard", "[redistr
             Source src = make_source(global, c.from, mesh, c.mesh, coord);
             NoGradGuard no_grad;
             const Block b = block_of(global, c.to, c.mesh, coord);
-            failures.expect_tensor(rank, "forward", src.dt.redistribute(c.to).to_local(), b.shape,
-                                   take(global_x(numel_of(global)), global, b));
+            expect_tensor(failures, rank, "forward", src.dt.redistribute(c.to).to_local(), b.shape,
+                          take(global_x(numel_of(global)), global, b));
           });
         });
         REQUIRE_NO_FAILURES(failures);
@@ -661,8 +627,8 @@ TEST_CASE("redistribute_async: the pending result equals the synchronous one", "
               failures.expect_eq(rank, what + " placements", placements_str(got.placements()),
                                  placements_str(to));
               failures.expect_eq(rank, what + " shape", got.shape().vec(), global);
-              failures.expect_tensor(rank, what + " value", got.to_local(),
-                                     sync.to_local().shape().vec(), values_of(sync.to_local()));
+              expect_tensor(failures, rank, what + " value", got.to_local(),
+                            sync.to_local().shape().vec(), values_of(sync.to_local()));
             });
           }
         });
@@ -768,11 +734,11 @@ TEST_CASE("distribute: shards slice the full tensor, Partial(sum) keeps it on co
               const Values want = p[0].is_partial() && p[0].op == RedOp::Max
                                       ? x
                                       : expected_values(x, replicated, p, ms, coord);
-              failures.expect_tensor(rank, what + " local", t.to_local(), b.shape,
-                                     take(want, global, b));
+              expect_tensor(failures, rank, what + " local", t.to_local(), b.shape,
+                            take(want, global, b));
               failures.expect_eq(rank, what + " global shape", t.shape().vec(), global);
               NoGradGuard no_grad;
-              failures.expect_tensor(rank, what + " full_tensor()", t.full_tensor(), global, x);
+              expect_tensor(failures, rank, what + " full_tensor()", t.full_tensor(), global, x);
             });
           }
         }

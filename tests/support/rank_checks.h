@@ -47,7 +47,46 @@ class RankChecks {
   int count_ = 0;
 };
 
+// What rank threads found, reported on the test thread (REQUIRE_NO_FAILURES).
+class Failures {
+ public:
+  void add(const std::string& what) {
+    std::lock_guard<std::mutex> lock(mu_);
+    list_.push_back(what);
+  }
+  bool empty() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return list_.empty();
+  }
+  std::string str() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::string s;
+    for (size_t i = 0; i < list_.size() && i < 20; ++i)
+      s += list_[i] + "\n";
+    if (list_.size() > 20) s += fmt::format("... and {} more\n", list_.size() - 20);
+    return s;
+  }
+  // Records a failure when `got != want`.
+  template <class T>
+  void expect_eq(int rank, const std::string& what, const T& got, const T& want) {
+    if (!(got == want)) add(fmt::format("rank {}: {}: expected {}, got {}", rank, what, want, got));
+  }
+  void expect(int rank, const std::string& what, bool ok) {
+    if (!ok) add(fmt::format("rank {}: {}", rank, what));
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<std::string> list_;
+};
+
 }  // namespace tandem::testing
+
+#define REQUIRE_NO_FAILURES(failures) \
+  do {                                \
+    INFO((failures).str());           \
+    REQUIRE((failures).empty());      \
+  } while (0)
 
 #define RANK_CHECK(checks, ...)                  \
   (checks).check(static_cast<bool>(__VA_ARGS__), \
