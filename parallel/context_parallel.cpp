@@ -621,7 +621,9 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
   for (int i = 0; i < 3; ++i) {
     if (!ulysses && i == 0) continue;  // all-gather KV leaves Q where it is
     std::shared_ptr<Module> proj = projections[i];
-    proj->register_forward_hook([=](Module&, const Args&, const std::vector<Tensor>& outs)
+    // The hook is owned by `proj` and reaches it through its argument: capturing
+    // `proj` would be a cycle that leaks the module (LeakSanitizer).
+    proj->register_forward_hook([=](Module& self, const Args&, const std::vector<Tensor>& outs)
                                     -> std::optional<std::vector<Tensor>> {
       const Tensor& y = outs.at(0);  // (B, S, heads * hs), already past the backward pre-hook
       TANDEM_CHECK(y.dim() == 3 && y.shape()[2] % hs == 0,
@@ -640,7 +642,7 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
         slots->lengths[std::this_thread::get_id()] = lengths;
       }
       AsyncLaunch l;
-      l.projection = proj;
+      l.projection = self.shared_from_this();
       const int me = group->rank();
       if (ulysses) {
         Tensor x = y;
@@ -651,7 +653,7 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
           // The backward of the replication reads the gradient: wait first.
           auto wait = std::make_shared<WaitPoint>();
           wait->slots = slots;
-          wait->projection = proj.get();
+          wait->projection = &self;
           x = Function::apply(wait, {x})[0];
         }
         TANDEM_CHECK(x.shape()[2] / hs % cp == 0,

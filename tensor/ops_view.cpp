@@ -135,7 +135,11 @@ Tensor transpose(const Tensor& t, int64_t dim0, int64_t dim1) {
   return make_view(t, shape, strides, t.storage_offset());
 }
 
+// narrow, slice and select need a dim to cut: wrap_dim accepts dim 0 of a 0-dim
+// tensor (as reductions do), whose shape()[0] is not an extent.
 Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t length) {
+  TANDEM_CHECK(t.dim() > 0,
+               "[tensor::narrow] expected a tensor with at least one dim, got a 0-dim tensor");
   int d = wrap_dim(dim, t.dim(), "narrow");
   int64_t n = t.shape()[d];
   if (start < 0) start += n;
@@ -149,6 +153,8 @@ Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t length) {
 }
 
 Tensor slice(const Tensor& t, int64_t dim, int64_t start, int64_t end, int64_t step) {
+  TANDEM_CHECK(t.dim() > 0,
+               "[tensor::slice] expected a tensor with at least one dim, got a 0-dim tensor");
   int d = wrap_dim(dim, t.dim(), "slice");
   TANDEM_CHECK(step > 0, "[tensor::slice] expected step > 0, got {}", step);
   int64_t n = t.shape()[d];
@@ -166,6 +172,8 @@ Tensor slice(const Tensor& t, int64_t dim, int64_t start, int64_t end, int64_t s
 }
 
 Tensor select(const Tensor& t, int64_t dim, int64_t index) {
+  TANDEM_CHECK(t.dim() > 0,
+               "[tensor::select] expected a tensor with at least one dim, got a 0-dim tensor");
   int d = wrap_dim(dim, t.dim(), "select");
   int64_t n = t.shape()[d];
   TANDEM_CHECK(index >= -n && index < n,
@@ -196,6 +204,8 @@ Tensor expand(const Tensor& t, const Shape& shape) {
     }
     int64_t have = t.shape()[j];
     if (shape[i] == -1) out[i] = have;
+    TANDEM_CHECK(out[i] >= 0, "[tensor::expand] expected a size >= 0 or -1 for dim {}, got {} ({})",
+                 i, shape[i], shape);
     TANDEM_CHECK(out[i] == have || have == 1,
                  "[tensor::expand] expected dim {} of {} to be 1 or {}, got {} -> {}", j, t.shape(),
                  out[i], have, shape);

@@ -695,7 +695,10 @@ class ThreadsProcessGroup final : public ProcessGroup {
     // Sends complete once received (the input may be reused afterwards).
     std::unique_lock<std::mutex> lock(g.mu);
     for (auto& [peer, flag] : sent) {
-      auto received = [&] { return flag->load() || g.aborted.load() || g.exited(peer); };
+      // Named captures: clang 14 (the fuzz build) cannot capture structured bindings.
+      auto received = [&, &flag = flag, peer = peer] {
+        return flag->load() || g.aborted.load() || g.exited(peer);
+      };
       if (!g.cv.wait_for(lock, timeout(), received)) {
         std::string report = fmt::format(
             "[comm::watchdog] {} waited {} ms in #{} for a send to be received. Last "

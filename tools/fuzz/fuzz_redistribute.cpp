@@ -60,7 +60,8 @@ class Bytes {
 
 int64_t numel_of(const Vec& shape) {
   int64_t n = 1;
-  for (int64_t e : shape) n *= e;
+  for (int64_t e : shape)
+    n *= e;
   return n;
 }
 
@@ -75,7 +76,8 @@ Vec unravel(int64_t flat, const Vec& shape) {
 
 int64_t ravel(const Vec& idx, const Vec& shape) {
   int64_t flat = 0;
-  for (size_t i = 0; i < shape.size(); ++i) flat = flat * shape[i] + idx[i];
+  for (size_t i = 0; i < shape.size(); ++i)
+    flat = flat * shape[i] + idx[i];
   return flat;
 }
 
@@ -110,7 +112,8 @@ std::vector<float> slice_of(const std::vector<float>& full, const Vec& global, c
   std::vector<float> out(static_cast<size_t>(numel_of(b.shape)));
   for (int64_t i = 0; i < static_cast<int64_t>(out.size()); ++i) {
     Vec idx = unravel(i, b.shape);
-    for (size_t d = 0; d < idx.size(); ++d) idx[d] += b.offset[d];
+    for (size_t d = 0; d < idx.size(); ++d)
+      idx[d] += b.offset[d];
     out[i] = full[ravel(idx, global)];
   }
   return out;
@@ -119,8 +122,8 @@ std::vector<float> slice_of(const std::vector<float>& full, const Vec& global, c
 // What the rank at `coord` holds before sharding when the source is built
 // with spread addends: along each Partial mesh dim the values differ per rank
 // and per element, and `op` over that dim gives back the value.
-std::vector<float> addends_of(const std::vector<float>& full, const Placements& p,
-                              const Vec& mesh, const Vec& coord) {
+std::vector<float> addends_of(const std::vector<float>& full, const Placements& p, const Vec& mesh,
+                              const Vec& coord) {
   std::vector<float> v = full;
   for (size_t m = 0; m < p.size(); ++m) {
     if (!p[m].is_partial()) continue;
@@ -129,10 +132,18 @@ std::vector<float> addends_of(const std::vector<float>& full, const Placements& 
       const float a = static_cast<float>((i * 3 + static_cast<int64_t>(m) * 5) % 7 - 3);
       const float spread = static_cast<float>((c + i) % k);
       switch (p[m].op) {
-        case RedOp::Sum: v[i] = c == 0 ? v[i] - static_cast<float>(k - 1) * a : a; break;
-        case RedOp::Max: v[i] -= spread; break;
-        case RedOp::Min: v[i] += spread; break;
-        case RedOp::Avg: v[i] += static_cast<float>(2 * c - (k - 1)); break;
+        case RedOp::Sum:
+          v[i] = c == 0 ? v[i] - static_cast<float>(k - 1) * a : a;
+          break;
+        case RedOp::Max:
+          v[i] -= spread;
+          break;
+        case RedOp::Min:
+          v[i] += spread;
+          break;
+        case RedOp::Avg:
+          v[i] += static_cast<float>(2 * c - (k - 1));
+          break;
       }
     }
   }
@@ -144,9 +155,9 @@ std::vector<float> addends_of(const std::vector<float>& full, const Placements& 
 struct Case {
   Vec mesh;
   Vec global;
-  Placements from, to;  // as decoded (dims may be negative or out of range)
-  bool spread = false;  // from_local with addends instead of distribute
-  bool valid = true;    // whether redistribute must succeed
+  Placements from, to;      // as decoded (dims may be negative or out of range)
+  bool spread = false;      // from_local with addends instead of distribute
+  bool valid = true;        // whether redistribute must succeed
   Placements from_n, to_n;  // normalised (valid cases)
 };
 
@@ -160,7 +171,8 @@ Placement placement_arg(Bytes& in, int ndim) {
       const int64_t dim = d % ndim;
       return Shard(d & 0x40 ? dim - ndim : dim);
     }
-    case 2: return Replicate();
+    case 2:
+      return Replicate();
     default: {
       static const RedOp ops[] = {RedOp::Sum, RedOp::Sum, RedOp::Avg, RedOp::Max, RedOp::Min};
       return Partial(ops[(b / 4) % 5]);
@@ -180,16 +192,20 @@ std::optional<Placements> normalised(const Placements& p, int ndim, size_t mesh_
 }
 
 Case decode(Bytes& in) {
-  static const Vec meshes[] = {{1}, {2}, {3}, {4}, {5}, {6}, {1, 1}, {1, 2}, {2, 1}, {2, 2},
-                               {1, 3}, {3, 1}, {2, 3}, {3, 2}, {1, 4}, {4, 1}, {2, 2}, {2, 3}};
+  static const Vec meshes[] = {{1},    {2},    {3},    {4},    {5},    {6},
+                               {1, 1}, {1, 2}, {2, 1}, {2, 2}, {1, 3}, {3, 1},
+                               {2, 3}, {3, 2}, {1, 4}, {4, 1}, {2, 2}, {2, 3}};
   Case c;
   c.mesh = meshes[in.pick(18)];
   c.global.resize(static_cast<size_t>(1 + in.pick(3)));
   static const int64_t extents[] = {1, 2, 3, 4, 5, 6, 7, 2, 3, 4, 5, 1, 3, 5, 7, 0};
-  for (int64_t& e : c.global) e = extents[in.pick(16)];
+  for (int64_t& e : c.global)
+    e = extents[in.pick(16)];
   const int ndim = static_cast<int>(c.global.size());
-  for (size_t m = 0; m < c.mesh.size(); ++m) c.from.push_back(placement_arg(in, ndim));
-  for (size_t m = 0; m < c.mesh.size(); ++m) c.to.push_back(placement_arg(in, ndim));
+  for (size_t m = 0; m < c.mesh.size(); ++m)
+    c.from.push_back(placement_arg(in, ndim));
+  for (size_t m = 0; m < c.mesh.size(); ++m)
+    c.to.push_back(placement_arg(in, ndim));
   const uint8_t mode = in.next();
   c.spread = mode & 1;
   if (mode == 255) c.to.push_back(Replicate());
@@ -243,7 +259,9 @@ class Failures {
   std::vector<std::string> list_;
 };
 
-std::vector<float> values_of(const Tensor& t) { return ops::contiguous(t).to_vector<float>(); }
+std::vector<float> values_of(const Tensor& t) {
+  return ops::contiguous(t).to_vector<float>();
+}
 
 // One step of a plan as text, applied to `cur`; an error text when the step
 // does not fit what mesh dim holds.
@@ -302,8 +320,8 @@ void check_plan(const Case& c, const DeviceMesh& mesh, Failures& failures) {
   Placements cur = c.from_n;
   for (const std::string& step : plan) {
     if (auto error = replay(step, cur)) {
-      failures.add(fmt::format("{}: step {} on {}: {}", label, step, placements_str(states.back()),
-                               *error));
+      failures.add(
+          fmt::format("{}: step {} on {}: {}", label, step, placements_str(states.back()), *error));
       return;
     }
     states.push_back(cur);
@@ -335,11 +353,14 @@ void rank_main(const Case& c, const ProcessGroupPtr& world, Failures& failures) 
   DeviceMesh mesh(world, c.mesh, names);
   const int rank = world->rank();
   const Vec coord = unravel(rank, c.mesh);
-  auto fail = [&](const std::string& what) { failures.add(fmt::format("rank {}: {}", rank, what)); };
+  auto fail = [&](const std::string& what) {
+    failures.add(fmt::format("rank {}: {}", rank, what));
+  };
   NoGradGuard no_grad;
 
   std::vector<float> full(static_cast<size_t>(numel_of(c.global)));
-  for (size_t i = 0; i < full.size(); ++i) full[i] = static_cast<float>(i + 1);
+  for (size_t i = 0; i < full.size(); ++i)
+    full[i] = static_cast<float>(i + 1);
   const Shape global{c.global};
   DTensor x;
   if (c.spread && c.valid) {
@@ -387,8 +408,9 @@ void run(const uint8_t* data, size_t size) {
   ProcessGroupOptions options;
   options.timeout = std::chrono::seconds(20);  // a hang is a finding, reported as a timeout
   try {
-    run_ranks(static_cast<int>(numel_of(c.mesh)),
-              [&](ProcessGroupPtr world) { rank_main(c, world, failures); }, options);
+    run_ranks(
+        static_cast<int>(numel_of(c.mesh)),
+        [&](ProcessGroupPtr world) { rank_main(c, world, failures); }, options);
   } catch (const Error& e) {
     const std::string what = e.what();
     if (c.valid) finding(c, "unexpected error: " + what);
