@@ -66,15 +66,15 @@ run_tsan() {
 }
 
 # The whole suite again under AddressSanitizer + UndefinedBehaviorSanitizer
-# (own build directory, CUDA/MPI off). UB is fatal (-fno-sanitize-recover);
-# LeakSanitizer's reports of the intentionally leaked process-lifetime
-# singletons are suppressed (tools/lsan.supp). TANDEM_SKIP_ASAN=1 skips it.
+# (own build directory, CUDA/MPI off). UB is fatal (-fno-sanitize-recover),
+# LeakSanitizer is on (the intentionally leaked process-lifetime singletons
+# stay reachable from their static pointers, so it does not report them).
+# TANDEM_SKIP_ASAN=1 skips it.
 asan_build="${TANDEM_ASAN_BUILD_DIR:-$root/build-asan}"
 asan_suites=(runtime tensor autograd comm parallel)
 sanitizer_env=(
   ASAN_OPTIONS="detect_leaks=1:abort_on_error=0"
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
-  LSAN_OPTIONS="suppressions=$root/tools/lsan.supp:print_suppressions=0"
 )
 run_asan() {
   if [[ ! -f "$asan_build/build.ninja" ]]; then
@@ -105,8 +105,9 @@ run_asan() {
 }
 
 # libFuzzer targets (tools/fuzz, built with clang++ in their own directory),
-# each run for TANDEM_FUZZ_SECONDS (default 20) on its seed corpus plus what
-# earlier runs found (kept in the build directory, never in the repository).
+# each run for TANDEM_FUZZ_SECONDS (default 20) from its seed corpus; what the
+# run adds goes to $fuzz_build/corpus/<fuzzer>, emptied first so that every
+# run costs the same (never into the repository).
 # Each run is one test case of $fuzz_build/junit-fuzz-<fuzzer>.xml; a crash
 # fails it, and its input is saved as $fuzz_build/crash-<fuzzer>-*. Returns 1
 # when the build fails. Skipped when clang++ cannot link libFuzzer.
@@ -147,6 +148,7 @@ run_fuzz() {
   rm -f "$fuzz_build"/junit-fuzz-*.xml
   for f in "${fuzzers[@]}"; do
     echo "tandem: fuzzing $f for ${seconds}s"
+    rm -rf "$fuzz_build/corpus/$f"
     mkdir -p "$fuzz_build/corpus/$f"
     local log="$fuzz_build/fuzz-$f.log" status=0 start=$SECONDS
     env "${sanitizer_env[@]}" TANDEM_WAIT_TIMEOUT_S=60 "$fuzz_build/tools/fuzz/fuzz-$f" \

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Counts Catch2 test cases across JUnit reports and prints the closing line
-`tests: N passed, N failed, N skipped` that CI reads. A test case that printed
-a `SKIP:` warning (it needs hardware this machine lacks) counts as skipped.
+`tests: N passed, N failed, N skipped` that CI reads (a fuzzer smoke run is one
+case). A test case that printed a `SKIP:` warning (it needs hardware this
+machine lacks) counts as skipped.
 Exits non-zero when a case failed or a report is missing or unreadable."""
 import os
 import sys
@@ -25,10 +26,11 @@ for path in sys.argv[1:]:
             passed += 1
 if not sys.argv[1:]:
     broken.append("no JUnit reports were written")
-# Runs that failed outside any test case (a sanitizer report ends the process).
+# Runs that failed outside any test case (a sanitizer report ends the process;
+# a sanitizer or fuzzer build failed).
 extra = int(os.environ.get("TANDEM_EXTRA_FAILURES", "0") or 0)
 if extra:
-    print(f"tandem: {extra} sanitizer run(s) failed")
+    print(f"tandem: {extra} sanitizer run(s) or build(s) failed")
     failed += extra
 for b in broken:
     print(f"tandem: unreadable test report: {b}")
