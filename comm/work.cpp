@@ -1,5 +1,7 @@
 #include "comm/work.h"
 
+#include <atomic>
+
 #include "runtime/config.h"
 #include "runtime/error.h"
 
@@ -33,9 +35,24 @@ void Work::on_completion(std::function<void()> fn) {
   fn();
 }
 
+namespace {
+std::atomic<int64_t> g_comm_wait_ns{0};
+}
+
+int64_t comm_wait_ns() {
+  return g_comm_wait_ns.load(std::memory_order_relaxed);
+}
+
 bool Work::wait_finished(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
-  return cv_.wait_for(lock, timeout, [&] { return completed_; });
+  if (completed_) return true;
+  const auto start = std::chrono::steady_clock::now();
+  const bool done = cv_.wait_for(lock, timeout, [&] { return completed_; });
+  g_comm_wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::steady_clock::now() - start)
+                               .count(),
+                           std::memory_order_relaxed);
+  return done;
 }
 
 std::exception_ptr Work::error() const {

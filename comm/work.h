@@ -76,6 +76,11 @@ class Work : public std::enable_shared_from_this<Work> {
 
 using WorkPtr = std::shared_ptr<Work>;
 
+// Host time (ns) that threads of this process have spent blocked in waits for
+// collectives to complete, summed over threads: a cheap "exposed
+// communication" meter (tandem-train's progress line reads its deltas).
+int64_t comm_wait_ns();
+
 // A Work that is already complete (world size 1, empty collectives).
 WorkPtr completed_work(std::string description, std::vector<Tensor> outputs);
 

@@ -1,0 +1,330 @@
+// tandem-train end to end, in-process on the threads backend: it learns,
+// overlap and checkpoint/resume are bit-exact, a checkpoint resumes on
+// another layout and exports whole tensors, and every bad input is a clear
+// error that overwrites nothing.
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "tensor/ops.h"
+#include "tensor/safetensors.h"
+#include "tools/train/model.h"
+#include "tools/train/options.h"
+#include "tools/train/progress.h"
+#include "tools/train/trainer.h"
+
+using namespace tandem;
+using namespace tandem::train;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    path = fs::temp_directory_path() /
+           fmt::format("tandem-train-{}-{}", ::getpid(), reinterpret_cast<uintptr_t>(this));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+// A small job that runs in well under a second per step on 2 cores.
+TrainOptions tiny() {
+  TrainOptions o;
+  o.model.d_model = 32;
+  o.model.layers = 2;
+  o.model.heads = 4;
+  o.model.hidden = 32;
+  o.model.experts = 4;
+  o.recall = {8, 4, 6, 10};  // keys, values, pairs, queries: S = 16
+  o.batch = 4;
+  o.steps = 6;
+  o.warmup = 2;
+  o.lr = 1e-2;
+  o.progress = "quiet";
+  return o;
+}
+
+std::vector<double> losses(const TrainResult& r) {
+  std::vector<double> out;
+  for (const StepStats& s : r.steps)
+    out.push_back(s.loss);
+  return out;
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+TEST_CASE("tandem-train learns on the default layout", "[train]") {
+  TrainOptions o = tiny();
+  o.steps = 30;
+  TrainResult r = run_training(o);
+  REQUIRE(r.steps.size() == 30);
+  CHECK_THAT(r.layout, Catch::Contains("4 ranks") && Catch::Contains("ep 2 x cp 2") &&
+                           Catch::Contains("dual-pipe overlap"));
+  const std::vector<double> l = losses(r);
+  const double first = (l[0] + l[1] + l[2]) / 3, last = (l[27] + l[28] + l[29]) / 3;
+  INFO("first " << first << " last " << last);
+  CHECK(std::isfinite(last));
+  CHECK(last < first - 0.3);
+  for (const StepStats& s : r.steps) {
+    CHECK(s.accuracy >= 0.0);
+    CHECK(s.accuracy <= 1.0);
+    CHECK(s.tokens_per_second > 0);
+    CHECK(s.peak_bytes > 0);
+    CHECK(s.grad_norm > 0);
+  }
+}
+
+TEST_CASE("the overlapped schedule trains bit-identically to the sequential one", "[train]") {
+  TrainOptions o = tiny();
+  o.steps = 3;
+  o.micro_batches = 3;
+  const std::vector<double> overlapped = losses(run_training(o));
+  o.overlap = false;
+  CHECK(losses(run_training(o)) == overlapped);
+}
+
+TEST_CASE("every parallel layout trains", "[train]") {
+  struct Layout {
+    int dp, ep, cp, tp;
+    const char* mode;
+    bool balance;
+  };
+  for (Layout l : {Layout{4, 1, 1, 1, "ulysses", false}, Layout{1, 4, 1, 1, "ulysses", false},
+                   Layout{1, 1, 2, 2, "ulysses", false}, Layout{1, 2, 2, 1, "allgather", true},
+                   Layout{1, 1, 4, 1, "ring", true}, Layout{1, 1, 4, 1, "hybrid", false},
+                   Layout{2, 2, 1, 1, "ulysses", false}}) {
+    INFO("dp " << l.dp << " ep " << l.ep << " cp " << l.cp << " tp " << l.tp << " " << l.mode);
+    TrainOptions o = tiny();
+    o.dp = l.dp;
+    o.ep = l.ep;
+    o.cp = l.cp;
+    o.tp = l.tp;
+    o.cp_mode = l.mode;
+    o.load_balance = l.balance;
+    o.ulysses_degree = 2;
+    o.steps = 2;
+    TrainResult r = run_training(o);
+    REQUIRE(r.steps.size() == 2);
+    CHECK(std::isfinite(r.steps[1].loss));
+    // Every layout sees the same first loss up to rounding when the data
+    // ranks match (the same sequences, the same initial weights).
+    if (l.dp * l.ep == 2) {
+      TrainOptions ref = tiny();
+      ref.steps = 1;
+      CHECK(r.steps[0].loss == Approx(run_training(ref).steps[0].loss).epsilon(1e-4));
+    }
+  }
+}
+
+TEST_CASE("resume from a checkpoint is bit-exact", "[train][checkpoint]") {
+  TempDir dir;
+  TrainOptions o = tiny();
+  o.save_dir = (dir.path / "ckpt").string();
+  o.save_every = 3;
+  const std::vector<double> full = losses(run_training(o));
+  REQUIRE(full.size() == 6);
+  CHECK(fs::exists(dir.path / "ckpt" / "step-00000003" / "checkpoint.json"));
+  CHECK(read_file(dir.path / "ckpt" / "latest") == "step-00000006\n");
+
+  TrainOptions again = tiny();
+  again.resume = (dir.path / "ckpt" / "step-00000003").string();
+  TrainResult resumed = run_training(again);
+  CHECK(resumed.first_step == 3);
+  CHECK(losses(resumed) == std::vector<double>(full.begin() + 3, full.end()));
+}
+
+TEST_CASE("a checkpoint resumes on another layout and exports whole tensors",
+          "[train][checkpoint]") {
+  TempDir dir;
+  TrainOptions o = tiny();
+  o.steps = 4;
+  o.save_dir = (dir.path / "ckpt").string();
+  o.save_every = 2;
+  const std::vector<double> full = losses(run_training(o));  // ep 2 x cp 2
+
+  // The same data ranks (ep 2) with tp 2 instead of cp 2: the same sequences,
+  // so the losses agree up to rounding.
+  TrainOptions other = tiny();
+  other.steps = 4;
+  other.cp = 1;
+  other.tp = 2;
+  other.resume = (dir.path / "ckpt" / "step-00000002").string();
+  const std::vector<double> resharded = losses(run_training(other));
+  REQUIRE(resharded.size() == 2);
+  CHECK(resharded[0] == Approx(full[2]).epsilon(1e-4));
+  CHECK(resharded[1] == Approx(full[3]).epsilon(1e-3));
+
+  // Export: every parameter of the one-rank model, whole.
+  const std::string out = (dir.path / "model.safetensors").string();
+  export_checkpoint((dir.path / "ckpt").string(), out);
+  SafetensorsFile f = load_safetensors(out);
+  Generator g(1);
+  ModelConfig mc = o.model;
+  mc.vocab = make_task(o)->vocab();
+  mc.max_seq = 16;
+  MoELanguageModel reference(mc, g);
+  auto params = reference.named_parameters();
+  CHECK(f.size() == params.size());
+  for (auto& [name, p] : params) {
+    INFO(name);
+    REQUIRE(f.contains(name));
+    CHECK(f.at(name).shape() == p.shape());
+  }
+}
+
+TEST_CASE("bad input is a clear error and overwrites nothing", "[train]") {
+  TempDir dir;
+  TrainOptions o = tiny();
+  o.ranks = 4;
+  o.dp = 2;
+  CHECK_THROWS_WITH(run_training(o), Catch::Contains("dp x ep x cp x tp to equal the world size 4") &&
+                                  Catch::Contains("2 x 2 x 2 x 1 = 8"));
+  o = tiny();
+  o.model.experts = 3;
+  CHECK_THROWS_WITH(run_training(o), Catch::Contains("--ep 2 to divide --experts 3"));
+  o = tiny();
+  o.model.heads = 2;
+  o.cp = 4;
+  o.ep = 1;
+  CHECK_THROWS_WITH(run_training(o), Catch::Contains("ulysses") && Catch::Contains("--cp 4"));
+  o = tiny();
+  o.micro_batches = 1;
+  CHECK_THROWS_WITH(run_training(o), Catch::Contains("--micro-batches >= 2"));
+  o = tiny();
+  o.data = (dir.path / "missing.txt").string();
+  CHECK_THROWS_WITH(run_training(o), Catch::Contains("cannot open the data file") &&
+                                  Catch::Contains("missing.txt"));
+  {
+    std::ofstream small(dir.path / "small.txt");
+    small << "tiny";
+  }
+  o.data = (dir.path / "small.txt").string();
+  CHECK_THROWS_WITH(run_training(o), Catch::Contains("more than 128 bytes"));
+  o = tiny();
+  o.resume = (dir.path / "nowhere").string();
+  o.save_dir = (dir.path / "out").string();
+  CHECK_THROWS_WITH(run_training(o), Catch::Contains("expected a checkpoint directory"));
+  CHECK_FALSE(fs::exists(dir.path / "out"));
+
+  // A corrupt checkpoint: the error names the file; the checkpoint stays.
+  o = tiny();
+  o.steps = 1;
+  o.save_dir = (dir.path / "ckpt").string();
+  run_training(o);
+  const fs::path file = dir.path / "ckpt" / "step-00000001" / "rank-00002-of-00004.safetensors";
+  const auto size = fs::file_size(file);
+  fs::resize_file(file, size - 1);
+  o.resume = o.save_dir;
+  o.steps = 2;
+  CHECK_THROWS_WITH(run_training(o), Catch::Contains("rank-00002-of-00004.safetensors"));
+  CHECK(fs::file_size(file) == size - 1);
+  CHECK(read_file(dir.path / "ckpt" / "latest") == "step-00000001\n");
+
+  // A checkpoint of another model.
+  fs::resize_file(file, size);  // (still corrupt: the byte is gone, zeros appended)
+  o = tiny();
+  o.model.d_model = 16;
+  o.resume = (dir.path / "ckpt").string();
+  CHECK_THROWS_WITH(run_training(o), Catch::Contains("different model"));
+}
+
+TEST_CASE("the command line parses and rejects bad flags", "[train]") {
+  Command c = parse_command_line({"tandem-train", "--dp", "2", "--cp", "1", "--cp-mode", "ring",
+                                  "--no-overlap", "--steps", "7", "--save", "x"});
+  CHECK(c.kind == Command::Kind::Train);
+  CHECK(c.options.dp == 2);
+  CHECK(c.options.cp == 1);
+  CHECK(c.options.cp_mode == "ring");
+  CHECK_FALSE(c.options.overlap);
+  CHECK(c.options.steps == 7);
+  CHECK(c.options.save_dir == "x");
+  Command d = parse_command_line({"tandem-train"});
+  CHECK(d.options.overlap);
+  CHECK(d.options.ep == 2);
+  CHECK(d.options.cp == 2);
+  Command e = parse_command_line({"tandem-train", "export", "ckpt", "out.safetensors"});
+  CHECK(e.kind == Command::Kind::Export);
+  CHECK(e.export_from == "ckpt");
+  CHECK(e.export_to == "out.safetensors");
+  CHECK(parse_command_line({"tandem-train", "--help"}).kind == Command::Kind::Help);
+  CHECK_THROWS_WITH(parse_command_line({"tandem-train", "--cp-mode", "spiral"}),
+                    Catch::Contains("--cp-mode") && Catch::Contains("spiral"));
+  CHECK_THROWS_WITH(parse_command_line({"tandem-train", "--dp", "0"}), Catch::Contains("--dp"));
+  CHECK_THROWS_WITH(parse_command_line({"tandem-train", "--bogus"}), Catch::Contains("--bogus"));
+  CHECK_THROWS_WITH(parse_command_line({"tandem-train", "--steps", "ten"}),
+                    Catch::Contains("--steps"));
+  CHECK_THROWS_WITH(parse_command_line({"tandem-train", "export", "only-one"}),
+                    Catch::Contains("out"));
+}
+
+TEST_CASE("progress lines: in place on a terminal, plain lines otherwise", "[train]") {
+  StepStats s;
+  s.step = 9;
+  s.loss = 1.25;
+  s.accuracy = 0.5;
+  s.tokens_per_second = 1234;
+  s.comm_wait = 0.125;
+  s.peak_bytes = 3 << 20;
+  s.lr = 1e-3;
+  const std::string line = Progress::format(s, 100);
+  CHECK_THAT(line, Catch::Contains("step  10/100") && Catch::Contains("loss 1.2500") &&
+                       Catch::Contains("acc  50.0%") && Catch::Contains("1234 tok/s") &&
+                       Catch::Contains("comm wait 12.5%") && Catch::Contains("peak 3.0 MiB"));
+  for (const char* mode : {"plain", "line"}) {
+    std::FILE* f = std::tmpfile();
+    {
+      Progress p(f, mode, 20, 5);
+      p.message("hello");
+      for (int i = 0; i < 20; ++i) {
+        s.step = i;
+        p.step(s);
+      }
+    }
+    std::rewind(f);
+    std::string text;
+    for (int ch; (ch = std::fgetc(f)) != EOF;)
+      text.push_back(static_cast<char>(ch));
+    std::fclose(f);
+    const auto lines = std::count(text.begin(), text.end(), '\n');
+    // hello + steps 1, 5, 10, 15, 20.
+    CHECK(lines == 6);
+    if (std::string(mode) == "plain") {
+      CHECK(text.find('\r') == std::string::npos);
+    } else {
+      CHECK(std::count(text.begin(), text.end(), '\r') >= 14);  // every step redrawn
+    }
+  }
+}
+
+TEST_CASE("--trace writes one trace of every rank", "[train]") {
+  TempDir dir;
+  TrainOptions o = tiny();
+  o.steps = 3;
+  o.trace = (dir.path / "trace.json").string();
+  run_training(o);
+  nlohmann::json doc = nlohmann::json::parse(read_file(o.trace));
+  std::set<int> pids;
+  std::set<std::string> categories;
+  for (const auto& e : doc["traceEvents"]) {
+    pids.insert(e["pid"].get<int>());
+    if (e.contains("cat")) categories.insert(e["cat"].get<std::string>());
+  }
+  CHECK(pids == std::set<int>{0, 1, 2, 3});
+  INFO(fmt::format("{}", fmt::join(categories, ",")));
+  CHECK(categories.count("rendezvous") == 1);
+  CHECK(categories.size() >= 3);
+}

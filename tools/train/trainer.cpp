@@ -1,0 +1,596 @@
+#include "tools/train/trainer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "autograd/node.h"
+#include "autograd/ops.h"
+#include "autograd/optim.h"
+#include "comm/backend.h"
+#include "comm/threads/threads_backend.h"
+#include "comm/work.h"
+#include "parallel/checkpoint.h"
+#include "parallel/context_parallel.h"
+#include "parallel/device_mesh.h"
+#include "parallel/dual_pipe.h"
+#include "parallel/placement.h"
+#include "parallel/tensor_parallel.h"
+#include "runtime/allocator.h"
+#include "runtime/error.h"
+#include "runtime/hook_coordinator.h"
+#include "runtime/trace.h"
+#include "tensor/safetensors.h"
+#include "tools/train/progress.h"
+
+namespace tandem::train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::json;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+ModelConfig model_config(const TrainOptions& o, const Task& task) {
+  ModelConfig m = o.model;
+  m.vocab = task.vocab();
+  m.max_seq = task.seq_len();
+  return m;
+}
+
+// One parameter of this rank with what the layout says about it.
+struct Param {
+  std::string name;
+  Tensor tensor;        // the local piece
+  Shape global_shape;   // of the whole parameter
+  int shard_dim = -1;   // >= 0: sharded over tp along this dim
+  bool expert = false;  // owned by one ep rank
+};
+
+// Everything one rank builds once.
+struct Rank {
+  const TrainOptions& options;
+  const Task& task;
+  ProcessGroupPtr world;
+  Device device = Device::cpu();
+  DeviceMesh mesh;
+  int dp_rank = 0, ep_rank = 0, cp_rank = 0, tp_rank = 0;
+  ProcessGroupPtr data_group;    // ("dp","ep","cp"): dense gradient sums, metrics
+  ProcessGroupPtr expert_group;  // ("dp","cp"): expert gradient sums
+  ProcessGroupPtr model_group;   // ("ep","tp"): the gradient norm
+  std::shared_ptr<MoELanguageModel> model;
+  std::shared_ptr<HookCoordinator> coordinator;
+  std::unique_ptr<DualPipeSchedule> schedule;
+  int moe_layers = 0;
+  std::vector<Param> params;
+  std::unique_ptr<optim::AdamW> optimizer;
+
+  Rank(const TrainOptions& o, const Task& t, ProcessGroupPtr w)
+      : options(o), task(t), world(std::move(w)), device(Device::parse(o.device)) {}
+  int data_rank() const { return dp_rank * options.ep + ep_rank; }
+  bool root() const { return world->rank() == 0; }
+};
+
+std::string layout_string(const TrainOptions& o, int world) {
+  std::string cp;
+  if (o.cp > 1) {
+    cp = fmt::format(" ({}{}{})", o.cp_mode,
+                     o.cp_mode == "hybrid" ? fmt::format(", Ulysses degree {}", o.ulysses_degree)
+                                           : std::string(),
+                     o.load_balance ? ", load-balanced" : "");
+  }
+  return fmt::format("{} ranks, {} backend, {}: dp {} x ep {} x cp {}{} x tp {}; {} micro-batches, "
+                     "{}",
+                     world, o.backend, o.device, o.dp, o.ep, o.cp, cp, o.tp, o.micro_batches,
+                     o.overlap ? "dual-pipe overlap" : "sequential schedule");
+}
+
+void build(Rank& r) {
+  const TrainOptions& o = r.options;
+  r.mesh = DeviceMesh(r.world, {o.dp, o.ep, o.cp, o.tp}, {"dp", "ep", "cp", "tp"}, {}, r.device);
+  r.dp_rank = r.mesh.get_local_rank("dp");
+  r.ep_rank = r.mesh.get_local_rank("ep");
+  r.cp_rank = r.mesh.get_local_rank("cp");
+  r.tp_rank = r.mesh.get_local_rank("tp");
+  r.data_group = r.mesh.slice({"dp", "ep", "cp"}).flatten("data").get_group();
+  r.expert_group = r.mesh.slice({"dp", "cp"}).flatten("expert_data").get_group();
+  r.model_group = r.mesh.slice({"ep", "tp"}).flatten("model").get_group();
+
+  // The same initial weights on every rank; the styles then keep each rank's part.
+  Generator init(o.seed);
+  r.model = std::make_shared<MoELanguageModel>(model_config(o, r.task), init);
+  if (!r.device.is_cpu()) r.model->to(r.device);
+  std::map<std::string, Shape> global;
+  for (auto& [name, p] : r.model->named_parameters())
+    global[name] = p.shape();
+
+  if (o.tp > 1) {
+    ParallelizePlan plan;
+    for (int64_t i = 0; i < r.model->config().layers; ++i) {
+      const std::string a = fmt::format("blocks.{}.attn.", i);
+      plan[a + "q_proj"] = colwise();
+      plan[a + "k_proj"] = colwise();
+      plan[a + "v_proj"] = colwise();
+      plan[a + "o_proj"] = rowwise();
+    }
+    parallelize_module(r.model, r.mesh.slice("tp"), plan);
+  }
+  if (o.cp > 1) {
+    ContextParallel cp;
+    cp.load_balance = o.load_balance;
+    cp.ulysses_degree = o.cp_mode == "ulysses" ? o.cp : o.cp_mode == "hybrid" ? o.ulysses_degree : 1;
+    if (o.cp_mode == "ring") cp.mode = CPMode::Ring;
+    const DeviceMesh cp_mesh = r.mesh.slice("cp");
+    for (int64_t i = 0; i < r.model->config().layers; ++i)
+      cp.apply(r.model->block(i)->attn()->core(), cp_mesh);
+  }
+  r.coordinator = std::make_shared<HookCoordinator>();
+  r.moe_layers = install_dual_pipe(r.model, r.mesh.slice("ep"), r.coordinator);
+  r.schedule = std::make_unique<DualPipeSchedule>(r.coordinator, r.device);
+  r.schedule->abort_on_failure({r.world});
+
+  optim::NamedParams named;
+  for (auto& [name, p] : r.model->named_parameters()) {
+    Param param{name, p, global.at(name)};
+    for (int d = 0; d < p.dim(); ++d) {
+      if (p.shape()[d] != param.global_shape[d]) param.shard_dim = d;
+    }
+    param.expert = name.find(".experts.") != std::string::npos;
+    r.params.push_back(param);
+    named.emplace_back(name, p);
+  }
+  r.optimizer = std::make_unique<optim::AdamW>(named, o.lr, 0.9, 0.95, 1e-8, o.weight_decay);
+}
+
+// ---- one step ----
+
+// Sums the gradients of `params` over `group` in one flat buffer; a missing
+// gradient counts as zeros (Note [Training layout]).
+void sum_gradients(const std::vector<Param*>& params, const ProcessGroupPtr& group) {
+  if (params.empty()) return;
+  std::vector<Tensor> flat;
+  for (Param* p : params) {
+    Tensor g = grad(p->tensor);
+    flat.push_back(ops::reshape(g.defined() ? g : ops::zeros_like(p->tensor), Shape{-1}));
+  }
+  Tensor bucket = ops::cat(flat, 0);
+  if (group->size() > 1) {
+    WorkPtr w = group->all_reduce(bucket, {RedOp::Sum, "gradients"});
+    w->wait();
+    bucket = w->result();
+  }
+  int64_t offset = 0;
+  for (Param* p : params) {
+    const int64_t n = p->tensor.numel();
+    set_grad(p->tensor,
+             ops::contiguous(ops::reshape(ops::narrow(bucket, 0, offset, n), p->tensor.shape())));
+    offset += n;
+  }
+}
+
+// Global gradient norm (Note [Training layout]), then clipping.
+double clip_gradients(Rank& r) {
+  const int ep = r.options.ep, tp = r.options.tp;
+  double local = 0;
+  for (Param& p : r.params) {
+    Tensor g = ops::to(grad(p.tensor), DType::F64);
+    const double sq = ops::sum(ops::mul(g, g)).item_double();
+    const int copies = (p.expert ? 1 : ep) * (p.shard_dim >= 0 ? 1 : tp);
+    local += sq / copies;
+  }
+  double total = local;
+  if (r.model_group->size() > 1) {
+    WorkPtr w = r.model_group->all_reduce(ops::scalar_tensor(local, DType::F64), {RedOp::Sum, "grad norm"});
+    w->wait();
+    total = w->result().item_double();
+  }
+  const double norm = std::sqrt(total);
+  if (r.options.clip > 0 && norm > r.options.clip) {
+    const double scale = r.options.clip / (norm + 1e-6);
+    for (Param& p : r.params)
+      set_grad(p.tensor, ops::mul(grad(p.tensor), scale));
+  }
+  return norm;
+}
+
+struct MicroStats {
+  double ce_sum = 0;
+  double correct = 0;
+  double scored = 0;
+};
+
+StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule) {
+  const TrainOptions& o = r.options;
+  const Clock::time_point start = Clock::now();
+  const int64_t wait_before = comm_wait_ns();
+  const double lr = schedule.lr(step);
+  r.optimizer->set_lr(lr);
+
+  const int64_t S = r.task.seq_len();
+  const double scored_global =
+      static_cast<double>(o.batch * r.task.scored_per_sequence() * o.dp * o.ep);
+  const double replicas = static_cast<double>(o.dp * o.ep * o.cp);
+  std::vector<MicroStats> stats(static_cast<size_t>(o.micro_batches));
+  Tensor positions_full = ops::reshape(ops::arange(0, static_cast<double>(S)), Shape{1, S});
+  Tensor positions = ops::reshape(
+      shard_sequence(positions_full, 1, o.cp, r.cp_rank, o.load_balance), Shape{-1});
+  if (!r.device.is_cpu()) positions = ops::to(positions, r.device);
+
+  auto forward = [&](int i) {
+    Batch b = r.task.sample(o.seed, step, i, r.data_rank(), o.batch);
+    Tensor tokens = shard_sequence(b.tokens, 1, o.cp, r.cp_rank, o.load_balance);
+    Tensor targets = shard_sequence(b.targets, 1, o.cp, r.cp_rank, o.load_balance);
+    if (!r.device.is_cpu()) {
+      tokens = ops::to(tokens, r.device);
+      targets = ops::to(targets, r.device);
+    }
+    Args args{tokens};
+    args.named["positions"] = positions;
+    std::vector<Tensor> out = r.model->call(args);
+    const Tensor& logits = out[0];
+    const int64_t V = logits.shape()[2];
+    Tensor flat_logits = reshape(logits, Shape{-1, V});
+    Tensor flat_targets = ops::reshape(targets, Shape{-1});
+    MicroStats& s = stats[static_cast<size_t>(i)];
+    Tensor scored_mask = ops::ne(flat_targets, static_cast<double>(kIgnore));
+    s.scored = ops::sum(ops::to(scored_mask, DType::F64)).item_double();
+    Tensor ce_sum;
+    if (s.scored > 0) {
+      // cross_entropy averages over the scored tokens; × their count = the sum.
+      ce_sum = mul(cross_entropy(flat_logits, flat_targets, kIgnore), s.scored);
+      NoGradGuard no_grad;
+      s.ce_sum = ce_sum.item_double();
+      // Unscored targets are kIgnore, which no argmax equals.
+      Tensor hit = ops::eq(ops::argmax(flat_logits, 1), flat_targets);
+      s.correct = ops::sum(ops::to(hit, DType::F64)).item_double();
+    } else {
+      // No scored token here (a context-parallel piece of the prompt): the
+      // graph must still reach every layer, whose backward is collective.
+      ce_sum = mul(sum(flat_logits), 0.0);
+    }
+    Tensor loss = add(div(ce_sum, scored_global), mul(out[1], o.aux_weight / replicas));
+    return div(loss, static_cast<double>(o.micro_batches));
+  };
+  r.schedule->run(o.micro_batches, forward, o.overlap, r.moe_layers);
+
+  std::vector<Param*> dense, experts;
+  for (Param& p : r.params)
+    (p.expert ? experts : dense).push_back(&p);
+  sum_gradients(dense, r.data_group);
+  sum_gradients(experts, r.expert_group);
+  const double norm = clip_gradients(r);
+  r.optimizer->step();
+  r.optimizer->zero_grad();
+
+  MicroStats total;
+  for (const MicroStats& s : stats) {
+    total.ce_sum += s.ce_sum;
+    total.correct += s.correct;
+    total.scored += s.scored;
+  }
+  Tensor metrics = ops::from_vector(std::vector<double>{total.ce_sum, total.correct, total.scored},
+                                    Shape{3});
+  if (r.data_group->size() > 1) {
+    WorkPtr w = r.data_group->all_reduce(metrics, {RedOp::Sum, "metrics"});
+    w->wait();
+    metrics = w->result();
+  }
+  std::vector<double> m = metrics.to_vector<double>();
+  StepStats s;
+  s.step = step;
+  s.loss = m[0] / std::max(m[2], 1.0);
+  s.accuracy = m[1] / std::max(m[2], 1.0);
+  s.lr = lr;
+  s.grad_norm = norm;
+  s.seconds = seconds_since(start);
+  const double tokens = static_cast<double>(o.micro_batches * o.batch * S * o.dp * o.ep);
+  s.tokens_per_second = tokens / s.seconds;
+  // comm_wait_ns is per process: divide by the ranks it holds.
+  const int ranks_here = o.backend == "threads" ? r.world->size() : 1;
+  s.comm_wait = static_cast<double>(comm_wait_ns() - wait_before) * 1e-9 / ranks_here / s.seconds;
+  s.peak_bytes = memory_stats(r.device).peak_allocated_bytes;
+  return s;
+}
+
+// ---- checkpoints ----
+
+// This rank's pieces of the model and optimizer state (Note [Checkpoint
+// layout and atomicity] in parallel/checkpoint.h): a piece is written by the
+// rank whose coordinates are 0 on every dim that holds a copy of it.
+std::vector<TensorPiece> state_pieces(Rank& r, std::map<std::string, Tensor>& optimizer_state) {
+  const TrainOptions& o = r.options;
+  std::vector<TensorPiece> pieces;
+  auto add = [&](const std::string& name, const Tensor& local, const Param& p) {
+    TensorPiece piece{name, local, p.global_shape,
+                      std::vector<int64_t>(static_cast<size_t>(local.dim()), 0)};
+    if (local.dim() != p.global_shape.size()) piece.global_shape = local.shape();  // step counts
+    if (p.shard_dim >= 0 && local.dim() == p.global_shape.size()) {
+      piece.offsets[p.shard_dim] = chunk_range(p.global_shape[p.shard_dim], o.tp, r.tp_rank).first;
+    }
+    const bool tp_copy = p.shard_dim < 0 && r.tp_rank != 0;
+    const bool ep_copy = !p.expert && r.ep_rank != 0;
+    piece.write = r.dp_rank == 0 && r.cp_rank == 0 && !tp_copy && !ep_copy;
+    pieces.push_back(piece);
+  };
+  for (Param& p : r.params)
+    add("model." + p.name, p.tensor, p);
+  for (Param& p : r.params) {
+    for (const char* buffer : {"exp_avg", "exp_avg_sq", "step"}) {
+      const std::string key = p.name + "." + buffer;
+      auto it = optimizer_state.find(key);
+      TANDEM_INTERNAL_ASSERT(it != optimizer_state.end(), "optimizer state {} missing", key);
+      add("optim." + key, it->second, p);
+    }
+  }
+  return pieces;
+}
+
+void save(Rank& r, int64_t next_step) {
+  std::map<std::string, Tensor> state = r.optimizer->state_dict();
+  std::vector<TensorPiece> pieces = state_pieces(r, state);
+  const TrainOptions& o = r.options;
+  std::map<std::string, std::string> meta = {
+      {"next_step", std::to_string(next_step)},
+      {"layout", Json({{"dp", o.dp}, {"ep", o.ep}, {"cp", o.cp}, {"tp", o.tp}}).dump()},
+      {"model", Json({{"vocab", r.model->config().vocab},
+                      {"d_model", o.model.d_model},
+                      {"layers", o.model.layers},
+                      {"heads", o.model.heads},
+                      {"hidden", o.model.hidden},
+                      {"experts", o.model.experts},
+                      {"top_k", o.model.top_k},
+                      {"max_seq", r.model->config().max_seq}})
+                    .dump()},
+      {"seed", std::to_string(o.seed)}};
+  save_checkpoint(o.save_dir, next_step, pieces, meta, r.world, o.keep);
+}
+
+// Loads model and optimizer state; returns the step to continue from.
+int64_t resume(Rank& r) {
+  const TrainOptions& o = r.options;
+  CheckpointInfo info = find_checkpoint(o.resume);
+  auto model_it = info.meta.find("model");
+  TANDEM_CHECK(model_it != info.meta.end() && info.meta.count("next_step"),
+               "[train] expected a tandem-train checkpoint in '{}', got one without model "
+               "metadata",
+               info.path);
+  Json saved = Json::parse(model_it->second);
+  Json wanted = {{"vocab", r.model->config().vocab},
+                 {"d_model", o.model.d_model},
+                 {"layers", o.model.layers},
+                 {"heads", o.model.heads},
+                 {"hidden", o.model.hidden},
+                 {"experts", o.model.experts},
+                 {"top_k", o.model.top_k},
+                 {"max_seq", r.model->config().max_seq}};
+  TANDEM_CHECK(saved == wanted,
+               "[train] the checkpoint '{}' holds a different model: expected {}, got {}",
+               info.path, wanted.dump(), saved.dump());
+  std::map<std::string, Tensor> state = r.optimizer->state_dict();
+  std::vector<TensorPiece> pieces = state_pieces(r, state);
+  load_checkpoint(info, pieces);
+  // Model pieces alias the parameters (filled in place); the optimizer's
+  // pieces are copies from state_dict(): hand them back.
+  r.optimizer->load_state_dict(state);
+  return std::stoll(info.meta.at("next_step"));
+}
+
+// ---- tracing ----
+
+// Under mpi/nccl each process recorded its own ranks: gather the events on
+// rank 0 and merge them into one document.
+void write_trace(Rank& r, const std::string& path) {
+  if (r.options.backend == "threads") {
+    r.world->barrier({"trace"})->synchronize();
+    if (r.root()) trace_write(path);
+    return;
+  }
+  const std::string mine = trace_json();
+  std::vector<uint8_t> bytes(mine.begin(), mine.end());
+  Tensor length = ops::scalar_tensor(static_cast<double>(bytes.size()), DType::I64);
+  WorkPtr lw = r.world->all_gather(ops::reshape(length, Shape{1}), {});
+  lw->wait();
+  std::vector<int64_t> lengths = lw->result().to_vector<int64_t>();
+  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  std::vector<int64_t> padded(static_cast<size_t>(longest), 0);
+  for (size_t i = 0; i < bytes.size(); ++i)
+    padded[i] = bytes[i];
+  WorkPtr w = r.world->all_gather(ops::from_vector(padded, Shape{longest}), {});
+  w->wait();
+  if (!r.root()) return;
+  std::vector<int64_t> all = w->result().to_vector<int64_t>();
+  Json merged = {{"traceEvents", Json::array()}, {"displayTimeUnit", "ms"}};
+  for (size_t rank = 0; rank < lengths.size(); ++rank) {
+    std::string text;
+    for (int64_t i = 0; i < lengths[rank]; ++i)
+      text.push_back(static_cast<char>(all[rank * longest + i]));
+    Json doc = Json::parse(text);
+    for (auto& e : doc["traceEvents"])
+      merged["traceEvents"].push_back(e);
+  }
+  write_file_atomically(path, [&](FileWriter& f) {
+    const std::string s = merged.dump();
+    f.write(s.data(), s.size());
+  });
+}
+
+// ---- the job ----
+
+void run_rank(const TrainOptions& o, const Task& task, ProcessGroupPtr world, std::FILE* out,
+              TrainResult& result) {
+  Rank r(o, task, std::move(world));
+  build(r);
+  std::unique_ptr<Progress> progress;
+  if (r.root()) {
+    progress = std::make_unique<Progress>(out, o.progress, o.steps, o.log_every);
+    progress->message("tandem-train: " + task.describe());
+    progress->message("  layout: " + layout_string(o, r.world->size()));
+    int64_t n = 0;
+    for (auto& [name, p] : r.model->named_parameters())
+      n += p.numel();
+    progress->message(fmt::format(
+        "  model: {} layers, d_model {}, {} heads, {} experts (top-{}) of hidden {}; rank 0 "
+        "holds {} parameters",
+        o.model.layers, o.model.d_model, o.model.heads, o.model.experts, o.model.top_k,
+        o.model.hidden, n));
+  }
+  int64_t first = 0;
+  if (!o.resume.empty()) {
+    first = resume(r);
+    if (progress) progress->message(fmt::format("  resumed from '{}' at step {}", o.resume, first));
+  }
+  result.first_step = first;
+  const optim::CosineSchedule schedule(o.lr, std::min(o.warmup, o.steps), o.steps, o.min_lr);
+  const int64_t trace_first = std::min<int64_t>(first + 1, o.steps - 1);
+  for (int64_t step = first; step < o.steps; ++step) {
+    const bool tracing = !o.trace.empty() && step >= trace_first && step < trace_first + o.trace_steps;
+    if (tracing && step == trace_first) {
+      r.world->barrier({"trace start"})->synchronize();
+      if (r.root() || o.backend != "threads") trace_start();
+      r.world->barrier({"trace started"})->synchronize();
+    }
+    if (r.root()) reset_peak_memory(r.device);
+    StepStats s = run_step(r, step, schedule);
+    const bool last = step + 1 == o.steps;
+    const bool stop = o.stop_accuracy > 0 && s.accuracy >= o.stop_accuracy &&
+                      ((step + 1) % std::max<int64_t>(o.log_every, 1) == 0 || last);
+    if (tracing && (step + 1 == trace_first + o.trace_steps || last || stop)) {
+      r.world->barrier({"trace stop"})->synchronize();
+      if (r.root() || o.backend != "threads") trace_stop();
+      write_trace(r, o.trace);
+      if (progress) progress->message(fmt::format("  trace of {} step(s) written to '{}'",
+                                                  step + 1 - trace_first, o.trace));
+    }
+    if (r.root()) {
+      result.steps.push_back(s);
+      progress->step(s, last || stop);
+    }
+    const bool save_now = !o.save_dir.empty() &&
+                          ((o.save_every > 0 && (step + 1) % o.save_every == 0) || last || stop);
+    if (save_now) {
+      save(r, step + 1);
+      if (progress) progress->message(fmt::format("  checkpoint of step {} saved in '{}'",
+                                                  step + 1, o.save_dir));
+    }
+    if (stop) {
+      if (progress) progress->message(fmt::format("  reached {:.1f}% accuracy: stopping",
+                                                  100.0 * s.accuracy));
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Task> make_task(const TrainOptions& o) {
+  if (!o.data.empty()) return std::make_unique<TextTask>(o.data, o.seq_len);
+  return std::make_unique<RecallTask>(o.recall);
+}
+
+void validate(const TrainOptions& o, int world_size) {
+  TANDEM_CHECK(o.dp >= 1 && o.ep >= 1 && o.cp >= 1 && o.tp >= 1,
+               "[train] expected --dp, --ep, --cp and --tp >= 1, got {}, {}, {}, {}", o.dp, o.ep,
+               o.cp, o.tp);
+  const int64_t product = int64_t{o.dp} * o.ep * o.cp * o.tp;
+  TANDEM_CHECK(product == world_size,
+               "[train] expected dp x ep x cp x tp to equal the world size {}, got {} x {} x {} x "
+               "{} = {}{}",
+               world_size, o.dp, o.ep, o.cp, o.tp, product,
+               o.backend == "threads" ? " (set --ranks, or leave it out to use the product)"
+                                      : " (the number of processes mpirun started)");
+  TANDEM_CHECK(o.cp_mode == "ulysses" || o.cp_mode == "allgather" || o.cp_mode == "hybrid" ||
+                   o.cp_mode == "ring",
+               "[train] expected --cp-mode ulysses|allgather|hybrid|ring, got '{}'", o.cp_mode);
+  const ModelConfig& m = o.model;
+  TANDEM_CHECK(m.d_model > 0 && m.layers > 0 && m.heads > 0 && m.hidden > 0,
+               "[train] expected positive --d-model, --layers, --heads, --hidden, got {}, {}, {}, "
+               "{}",
+               m.d_model, m.layers, m.heads, m.hidden);
+  TANDEM_CHECK(m.d_model % m.heads == 0, "[train] expected --heads {} to divide --d-model {}",
+               m.heads, m.d_model);
+  TANDEM_CHECK(m.heads % o.tp == 0, "[train] expected --tp {} to divide --heads {}", o.tp, m.heads);
+  TANDEM_CHECK(m.experts >= 1 && m.experts % o.ep == 0,
+               "[train] expected --ep {} to divide --experts {}", o.ep, m.experts);
+  TANDEM_CHECK(m.top_k >= 1 && m.top_k <= m.experts,
+               "[train] expected 1 <= --top-k <= --experts {}, got {}", m.experts, m.top_k);
+  const int64_t local_heads = m.heads / o.tp;
+  if (o.cp > 1 && o.cp_mode == "ulysses") {
+    TANDEM_CHECK(local_heads % o.cp == 0,
+                 "[train] --cp-mode ulysses splits each rank's {} heads (--heads {} / --tp {}) "
+                 "over --cp {}: expected cp to divide them",
+                 local_heads, m.heads, o.tp, o.cp);
+  }
+  if (o.cp_mode == "hybrid") {
+    TANDEM_CHECK(o.ulysses_degree > 1 && o.ulysses_degree < o.cp && o.cp % o.ulysses_degree == 0,
+                 "[train] --cp-mode hybrid expects 1 < --ulysses-degree < --cp {} dividing it, "
+                 "got {}",
+                 o.cp, o.ulysses_degree);
+    TANDEM_CHECK(local_heads % o.ulysses_degree == 0,
+                 "[train] expected --ulysses-degree {} to divide each rank's {} heads",
+                 o.ulysses_degree, local_heads);
+  }
+  TANDEM_CHECK(!o.load_balance || o.cp_mode == "allgather" || o.cp_mode == "ring",
+               "[train] --cp-load-balance applies to --cp-mode allgather or ring, got '{}'",
+               o.cp_mode);
+  TANDEM_CHECK(o.micro_batches >= 1, "[train] expected --micro-batches >= 1, got {}",
+               o.micro_batches);
+  TANDEM_CHECK(!o.overlap || o.micro_batches >= 2,
+               "[train] --overlap pairs the backward of one micro-batch with the forward of the "
+               "next: expected --micro-batches >= 2, got {}",
+               o.micro_batches);
+  TANDEM_CHECK(o.steps >= 1 && o.batch >= 1, "[train] expected --steps and --batch >= 1, got {} "
+               "and {}", o.steps, o.batch);
+  TANDEM_CHECK(o.lr > 0 && o.min_lr >= 0 && o.warmup >= 0 && o.weight_decay >= 0 && o.clip >= 0,
+               "[train] expected --lr > 0 and non-negative --min-lr, --warmup, --weight-decay, "
+               "--clip");
+  TANDEM_CHECK(o.save_every >= 0 && o.keep >= 1,
+               "[train] expected --save-every >= 0 and --keep >= 1, got {} and {}", o.save_every,
+               o.keep);
+  TANDEM_CHECK(o.save_every == 0 || !o.save_dir.empty(),
+               "[train] --save-every {} needs --save DIR", o.save_every);
+  TANDEM_CHECK(o.trace_steps >= 1, "[train] expected --trace-steps >= 1, got {}", o.trace_steps);
+  TANDEM_CHECK(o.device == "cpu" || o.device == "cuda", "[train] expected --device cpu|cuda, got "
+               "'{}'", o.device);
+  TANDEM_CHECK(o.device == "cpu" || o.backend == "nccl",
+               "[train] --device cuda runs with --backend nccl, got --backend {}", o.backend);
+}
+
+TrainResult run_training(const TrainOptions& options, std::FILE* out) {
+  std::unique_ptr<Task> task = make_task(options);  // a bad data file fails here, before any rank
+  TrainResult result;
+  result.task = task->describe();
+  if (!options.resume.empty()) find_checkpoint(options.resume);  // fail early
+  if (options.backend == "threads") {
+    const int world = options.ranks > 0 ? options.ranks
+                                        : options.dp * options.ep * options.cp * options.tp;
+    validate(options, world);
+    result.layout = layout_string(options, world);
+    run_ranks(world, [&](ProcessGroupPtr pg) { run_rank(options, *task, pg, out, result); });
+    return result;
+  }
+  TANDEM_CHECK(options.backend == "mpi" || options.backend == "nccl",
+               "[train] expected --backend threads|mpi|nccl, got '{}'", options.backend);
+  TANDEM_CHECK(backend_available(options.backend),
+               "[train] the {} backend is not available in this build or on this machine",
+               options.backend);
+  ProcessGroupPtr world = create_world(options.backend);
+  validate(options, world->size());
+  result.layout = layout_string(options, world->size());
+  run_rank(options, *task, world, world->rank() == 0 ? out : nullptr, result);
+  return result;
+}
+
+void export_checkpoint(const std::string& checkpoint, const std::string& out_path) {
+  CheckpointInfo info = find_checkpoint(checkpoint);
+  consolidate_checkpoint(info, out_path, "model.");
+}
+
+}  // namespace tandem::train

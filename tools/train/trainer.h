@@ -1,0 +1,123 @@
+// tandem-train's training loop, callable in-process (tests) as well as from
+// the command line (tools/train/main.cpp).
+//
+// Note [Training layout]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// The world is a 4-D mesh ("dp", "ep", "cp", "tp"), tp innermost (adjacent
+// ranks share a node's fastest links, as in Megatron), product = world size.
+//   tp  the attention projections: q/k/v column-wise, o row-wise (Megatron);
+//       the MoE layers run replicated over tp.
+//   cp  the sequence: every core attention is context-parallel (--cp-mode).
+//   ep  the experts of every MoE layer (install_dual_pipe: expert parallelism
+//       with the dual-pipe sync hooks); the ep ranks see different sequences,
+//       so for every other parameter ep is one more data-parallel dim.
+//   dp  plain data parallelism.
+// The data ranks — the replicas that draw different sequences — are dp × ep;
+// every cp and tp rank of one data rank holds the same sequences.
+//
+// Loss and gradients. A micro-batch's loss on a rank is
+//   (Σ over its scored tokens of the cross-entropy) / N
+//     + aux_weight · aux / (dp · ep · cp)
+// with N the scored tokens of the micro-batch over all data ranks, divided by
+// the number of micro-batches. Summed over the dp·ep·cp ranks this is the
+// mean loss of the global batch, whichever rank holds which token — a rank
+// of a context-parallel group may hold no scored token at all. Gradients are
+// therefore summed, not averaged: dense parameters over ("dp","ep","cp"),
+// expert parameters (owned by one ep rank) over ("dp","cp"). Parameters
+// without a gradient this step (an expert that got no token) contribute
+// zeros, so every rank launches the same reductions and every parameter's
+// optimizer state advances on every step.
+//
+// Gradient clipping needs the global norm: each rank adds the squared norm
+// of each of its parameters divided by the number of ranks of its ("ep",
+// "tp") group holding the same tensor (1 for shards), and one all-reduce over
+// that group sums the exact global norm.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "tools/train/data.h"
+#include "tools/train/model.h"
+
+namespace tandem::train {
+
+struct TrainOptions {
+  // launch
+  std::string backend = "threads";  // threads | mpi | nccl
+  int ranks = 0;                    // threads: world size (0: dp·ep·cp·tp)
+  std::string device = "cpu";
+  // parallel layout (Note [Training layout])
+  int dp = 1, ep = 2, cp = 2, tp = 1;
+  std::string cp_mode = "ulysses";  // ulysses | allgather | hybrid | ring
+  int ulysses_degree = 0;           // hybrid: the Ulysses degree (1 < d < cp, divides cp)
+  bool load_balance = false;        // allgather / ring: balanced causal work
+  int micro_batches = 2;
+  bool overlap = true;  // the dual-pipe schedule
+  // model and task
+  ModelConfig model;   // vocab and max_seq come from the task
+  RecallConfig recall;
+  std::string data;     // a text file: byte-level model instead of recall
+  int64_t seq_len = 128;  // with --data
+  // optimisation
+  int64_t steps = 300;
+  int64_t batch = 8;  // sequences per micro-batch per data rank
+  double lr = 3e-3;
+  double min_lr = 3e-4;
+  int64_t warmup = 30;
+  double weight_decay = 0.01;
+  double clip = 1.0;  // global gradient norm; 0: off
+  double aux_weight = 0.01;
+  uint64_t seed = 1234;
+  // checkpoints
+  std::string save_dir;
+  int64_t save_every = 0;  // 0: only at the end when save_dir is given
+  int keep = 2;            // complete checkpoints kept in save_dir
+  std::string resume;      // a checkpoint directory (or its parent holding `latest`)
+  // output
+  std::string trace;  // Chrome trace-event JSON of a few steps
+  int64_t trace_steps = 2;
+  int64_t log_every = 10;
+  std::string progress = "auto";  // auto | line | plain | quiet
+  double stop_accuracy = 0;       // > 0: stop once the logged accuracy reaches it
+};
+
+// What one step measured, as rank 0 reports it (already reduced over ranks).
+struct StepStats {
+  int64_t step = 0;  // 0-based
+  double loss = 0;   // mean cross-entropy over the scored tokens of the step
+  double accuracy = 0;
+  double lr = 0;
+  double grad_norm = 0;
+  double seconds = 0;
+  double tokens_per_second = 0;
+  double comm_wait = 0;  // fraction of the step the ranks' threads waited for comm
+  int64_t peak_bytes = 0;
+};
+
+struct TrainResult {
+  std::vector<StepStats> steps;  // every step run (rank 0)
+  int64_t first_step = 0;        // > 0 when resumed
+  std::string task;
+  std::string layout;
+};
+
+// The task the options select (recall, or a TextTask on options.data).
+std::unique_ptr<Task> make_task(const TrainOptions& options);
+
+// Checks the options against a world of `world_size` ranks; throws
+// tandem::Error naming the first problem.
+void validate(const TrainOptions& options, int world_size);
+
+// Runs the whole job: the threads backend starts its ranks here, mpi/nccl
+// use the processes of mpirun. Progress goes to `out` from rank 0.
+TrainResult run_training(const TrainOptions& options, std::FILE* out = stdout);
+
+// `tandem-train export`: one consolidated safetensors file of the model's
+// full parameters from a checkpoint directory.
+void export_checkpoint(const std::string& checkpoint, const std::string& out_path);
+
+}  // namespace tandem::train
