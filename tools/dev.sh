@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The two README commands:
-#   tools/dev.sh demo   install what is missing, build, run the main job
+#   tools/dev.sh demo   install what is missing, build, run the main job (tandem-train)
 #   tools/dev.sh test   install what is missing, build, run the whole test suite
 # Safe to re-run: installing is skipped when every package is present, the
 # build directory is reused (ccache keeps rebuilds cheap).
@@ -113,7 +113,7 @@ run_asan() {
 # when the build fails. Skipped when clang++ cannot link libFuzzer.
 # TANDEM_SKIP_FUZZ=1 skips it.
 fuzz_build="${TANDEM_FUZZ_BUILD_DIR:-$root/build-fuzz}"
-fuzzers=(views redistribute)
+fuzzers=(views redistribute safetensors)
 have_libfuzzer() {
   command -v clang++ >/dev/null || return 1
   local probe
@@ -214,7 +214,7 @@ case "${1:-}" in
     install_missing
     configure_and_build
     shift
-    exec "$build/tools/tandem-demo" "$@"
+    exec "$build/tools/tandem-train" "$@"
     ;;
   test)
     install_missing

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <numeric>
@@ -104,6 +105,13 @@ Batch RecallTask::sample(uint64_t seed, int64_t step, int micro_batch, int data_
 TextTask::TextTask(const std::string& path, int64_t seq_len) : path_(path), seq_len_(seq_len) {
   TANDEM_CHECK(seq_len > 0, "[train::TextTask] expected a positive sequence length, got {}",
                seq_len);
+  std::error_code ec;
+  TANDEM_CHECK(std::filesystem::exists(path, ec),
+               "[train::TextTask] cannot open the data file '{}': it does not exist", path);
+  TANDEM_CHECK(std::filesystem::is_regular_file(path, ec),
+               "[train::TextTask] expected the data file '{}' to be a regular file, got another "
+               "kind (a directory, device or pipe)",
+               path);
   std::ifstream in(path, std::ios::binary);
   TANDEM_CHECK(in.good(), "[train::TextTask] cannot open the data file '{}': {}", path,
                std::strerror(errno));

@@ -1,10 +1,12 @@
 #include "tools/train/trainer.h"
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -201,6 +203,14 @@ double clip_gradients(Rank& r) {
   return norm;
 }
 
+// The resident set of this process (/proc/self/statm), 0 where unavailable.
+int64_t resident_set_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  if (!(statm >> pages >> resident)) return 0;
+  return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
 struct MicroStats {
   double ce_sum = 0;
   double correct = 0;
@@ -296,7 +306,10 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule)
   // comm_wait_ns is per process: divide by the ranks it holds.
   const int ranks_here = o.backend == "threads" ? r.world->size() : 1;
   s.comm_wait = static_cast<double>(comm_wait_ns() - wait_before) * 1e-9 / ranks_here / s.seconds;
-  s.peak_bytes = memory_stats(r.device).peak_allocated_bytes;
+  const MemoryStats mem = memory_stats(r.device);
+  s.peak_bytes = mem.peak_allocated_bytes;
+  s.reserved_bytes = mem.reserved_bytes;
+  s.resident_bytes = resident_set_bytes();
   return s;
 }
 

@@ -95,7 +95,9 @@ struct StepStats {
   double seconds = 0;
   double tokens_per_second = 0;
   double comm_wait = 0;  // fraction of the step the ranks' threads waited for comm
-  int64_t peak_bytes = 0;
+  int64_t peak_bytes = 0;       // allocator peak during the step (process-wide)
+  int64_t reserved_bytes = 0;   // allocator cache after the step (process-wide)
+  int64_t resident_bytes = 0;   // the process's resident set after the step
 };
 
 struct TrainResult {

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""tandem-train under `mpirun -n 4 --backend mpi`, end to end: it trains,
+saves checkpoints, resumes with the same losses, resumes on another layout,
+writes a merged trace of all ranks and exports whole tensors; a bad layout
+fails with a clear message. One JUnit test case per check (tools/junit_summary.py).
+
+usage: train_mpi.py MPIRUN TANDEM_TRAIN JUNIT_OUT"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.sax.saxutils as su
+
+mpirun, train, junit = sys.argv[1:4]
+MPI = [mpirun, "-n", "4", "--oversubscribe", "--allow-run-as-root"]
+TINY = ["--backend", "mpi", "--d-model", "32", "--heads", "4", "--hidden", "32", "--keys", "8",
+        "--values", "4", "--pairs", "6", "--queries", "10", "--batch", "4", "--warmup", "2",
+        "--lr", "1e-2", "--progress", "plain", "--log-every", "1"]
+cases = []
+
+
+def run(args, expect_ok=True):
+    p = subprocess.run(MPI + [train] + args, capture_output=True, text=True, timeout=300)
+    if expect_ok and p.returncode != 0:
+        raise AssertionError(f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    return p
+
+
+def losses(out):
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"step +(\d+)/\d+ +loss (\S+)", out)}
+
+
+def case(name, fn):
+    start = time.time()
+    try:
+        fn()
+        cases.append((name, time.time() - start, None))
+    except Exception as e:  # noqa: BLE001 - every failure becomes a report
+        cases.append((name, time.time() - start, str(e)))
+
+
+tmp = tempfile.mkdtemp(prefix="tandem-train-mpi-")
+ckpt = os.path.join(tmp, "ckpt")
+state = {}
+
+
+def trains_and_saves():
+    p = run(TINY + ["--steps", "6", "--save", ckpt, "--save-every", "3",
+                    "--trace", os.path.join(tmp, "trace.json")])
+    state["full"] = losses(p.stdout)
+    assert sorted(state["full"]) == [1, 2, 3, 4, 5, 6], p.stdout
+    assert "dp 1 x ep 2 x cp 2" in p.stdout, p.stdout
+    assert os.path.exists(os.path.join(ckpt, "step-00000003", "checkpoint.json"))
+    assert float(state["full"][6]) < float(state["full"][1]), state["full"]
+
+
+def resumes_bit_exact():
+    p = run(TINY + ["--steps", "6", "--resume", os.path.join(ckpt, "step-00000003")])
+    got = losses(p.stdout)
+    assert got == {k: v for k, v in state["full"].items() if k > 3}, (got, state["full"])
+
+
+def resumes_on_another_layout():
+    p = run(TINY + ["--steps", "6", "--cp", "1", "--tp", "2",
+                    "--resume", os.path.join(ckpt, "step-00000003")])
+    got = losses(p.stdout)
+    assert abs(float(got[4]) - float(state["full"][4])) < 2e-3, (got, state["full"])
+
+
+def trace_has_every_rank():
+    doc = json.load(open(os.path.join(tmp, "trace.json")))
+    pids = {e["pid"] for e in doc["traceEvents"]}
+    cats = {e.get("cat") for e in doc["traceEvents"]}
+    assert pids == {0, 1, 2, 3}, pids
+    assert "comm" in cats and "coordinator" in cats, cats
+
+
+def exports():
+    out = os.path.join(tmp, "model.safetensors")
+    p = subprocess.run([train, "export", ckpt, out], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    with open(out, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    names = [k for k in header if k != "__metadata__"]
+    assert "tok_emb.weight" in names and "blocks.0.moe.experts.3.w1.weight" in names, names
+    assert header["tok_emb.weight"]["shape"] == [9 * 4 + 8, 32], header["tok_emb.weight"]
+
+
+def bad_layout_fails():
+    p = run(TINY + ["--dp", "2"], expect_ok=False)
+    assert p.returncode != 0
+    assert "world size 4" in p.stderr, p.stderr
+
+
+case("trains and saves under mpirun", trains_and_saves)
+case("resumes bit-exactly", resumes_bit_exact)
+case("resumes on another layout", resumes_on_another_layout)
+case("writes a merged trace", trace_has_every_rank)
+case("exports whole tensors", exports)
+case("a bad layout is a clear error", bad_layout_fails)
+shutil.rmtree(tmp, ignore_errors=True)
+
+with open(junit, "w") as f:
+    f.write('<testsuites><testsuite name="train-mpi">')
+    for name, seconds, failure in cases:
+        f.write(f'<testcase classname="train-mpi" name={su.quoteattr(name)} time="{seconds:.1f}">')
+        if failure:
+            f.write(f"<failure message={su.quoteattr(failure[:4000])}/>")
+        f.write("</testcase>")
+    f.write("</testsuite></testsuites>\n")
+failed = [c for c in cases if c[2]]
+for name, _, failure in failed:
+    print(f"FAILED {name}: {failure}")
+sys.exit(1 if failed else 0)
