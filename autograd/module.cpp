@@ -4,6 +4,7 @@
 
 #include "autograd/function.h"
 #include "runtime/error.h"
+#include "runtime/trace.h"
 #include "tensor/ops.h"
 
 namespace tandem {
@@ -67,6 +68,9 @@ bool HookHandle::active() const {
 }
 
 std::vector<Tensor> Module::call(Args args) {
+  // The forward of every module call is a span of the Chrome trace (the
+  // backward shows as its autograd nodes); nothing is recorded while off.
+  TraceSpan span("forward", type_name().c_str());
   for (auto& [id, hook] : pre_hooks_) {
     if (auto replaced = hook(*this, args)) args = std::move(*replaced);
   }

@@ -4,6 +4,7 @@
 
 #include "runtime/config.h"
 #include "runtime/error.h"
+#include "runtime/trace.h"
 
 namespace tandem {
 
@@ -46,12 +47,15 @@ int64_t comm_wait_ns() {
 bool Work::wait_finished(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   if (completed_) return true;
+  // A host that blocks here is not computing: tandem-trace counts "wait"
+  // spans as neither compute nor communication (Note [Exposed communication]).
+  TraceSpan span("wait", "comm wait");
   const auto start = std::chrono::steady_clock::now();
   const bool done = cv_.wait_for(lock, timeout, [&] { return completed_; });
-  g_comm_wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                               std::chrono::steady_clock::now() - start)
-                               .count(),
-                           std::memory_order_relaxed);
+  g_comm_wait_ns.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count(),
+      std::memory_order_relaxed);
   return done;
 }
 

@@ -54,8 +54,10 @@ class Work : public std::enable_shared_from_this<Work> {
   void keep_alive(std::vector<Tensor> tensors) { kept_ = std::move(tensors); }
   // Marks completion (with an error, or null). Runs completion callbacks.
   void finish(std::exception_ptr error = nullptr);
-  // Called once on completion (immediately if already complete).
-  void on_completion(std::function<void()> fn);
+  // Called once on completion (immediately if already complete). Virtual: a
+  // backend whose waiters drive the collective (threads) must make sure one
+  // runs when only callbacks observe the Work.
+  virtual void on_completion(std::function<void()> fn);
   // Host wait until finish() without rethrowing; false on timeout.
   bool wait_finished(std::chrono::milliseconds timeout);
   std::exception_ptr error() const;

@@ -14,8 +14,18 @@ StorageImpl::StorageImpl(size_t n, Device d, const Stream& stream)
   data = allocator->allocate(n, stream);
 }
 
+StorageImpl::StorageImpl(void* d, size_t n, Device dev, std::function<void()> r)
+    : data(d), nbytes(n), device(dev), allocator(nullptr), release(std::move(r)) {}
+
 StorageImpl::~StorageImpl() {
-  allocator->deallocate(data);
+  if (allocator != nullptr) {
+    allocator->deallocate(data);
+  } else if (release) {
+    try {
+      release();
+    } catch (...) {  // destructors never throw (STYLE); a foreign deleter has no way to report
+    }
+  }
 }
 
 Tensor::Tensor(std::shared_ptr<StorageImpl> storage, Shape shape, Dims strides, int64_t offset,
@@ -168,7 +178,9 @@ TensorArg broadcast_arg(const Tensor& t, const Shape& shape) {
 namespace detail {
 void record_streams_for(const Stream& stream, std::initializer_list<const Tensor*> tensors) {
   for (const Tensor* t : tensors) {
-    if (t->defined() && t->storage()->alloc_stream_id != stream.id()) {
+    // Foreign storage (no allocator) is kept alive by its owner, not by us.
+    if (t->defined() && t->storage()->allocator != nullptr &&
+        t->storage()->alloc_stream_id != stream.id()) {
       t->storage()->allocator->record_stream(t->storage()->data, stream);
     }
   }

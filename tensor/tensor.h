@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,9 +21,13 @@
 
 namespace tandem {
 
-// A block of device memory owned by an Allocator. Shared by every view.
+// A block of device memory shared by every view: owned by an Allocator, or
+// foreign memory (DLPack) that another framework owns.
 struct StorageImpl {
   StorageImpl(size_t nbytes, Device device, const Stream& stream);
+  // Wraps foreign memory: `release` runs exactly once, when the last view dies
+  // (tensor/dlpack.h). Such a storage has no allocator, so no record_stream.
+  StorageImpl(void* data, size_t nbytes, Device device, std::function<void()> release);
   ~StorageImpl();
   StorageImpl(const StorageImpl&) = delete;
   StorageImpl& operator=(const StorageImpl&) = delete;
@@ -30,8 +35,9 @@ struct StorageImpl {
   void* data = nullptr;
   size_t nbytes = 0;
   Device device;
-  Allocator* allocator;      // process-lifetime (allocator_for)
-  uint64_t alloc_stream_id;  // Note [Caching allocator]
+  Allocator* allocator;           // process-lifetime (allocator_for); null for foreign memory
+  uint64_t alloc_stream_id = 0;   // Note [Caching allocator]
+  std::function<void()> release;  // foreign memory only
 };
 
 // Implemented by autograd/; the tensor layer only stores and copies the pointer.

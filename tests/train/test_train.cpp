@@ -12,6 +12,9 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "parallel/checkpoint.h"
+#include "runtime/allocator.h"
+#include "runtime/config.h"
 #include "tensor/ops.h"
 #include "tensor/safetensors.h"
 #include "tools/train/model.h"
@@ -191,8 +194,9 @@ TEST_CASE("bad input is a clear error and overwrites nothing", "[train]") {
   TrainOptions o = tiny();
   o.ranks = 4;
   o.dp = 2;
-  CHECK_THROWS_WITH(run_training(o), Catch::Contains("dp x ep x cp x tp to equal the world size 4") &&
-                                  Catch::Contains("2 x 2 x 2 x 1 = 8"));
+  CHECK_THROWS_WITH(run_training(o),
+                    Catch::Contains("dp x ep x cp x tp to equal the world size 4") &&
+                        Catch::Contains("2 x 2 x 2 x 1 = 8"));
   o = tiny();
   o.model.experts = 3;
   CHECK_THROWS_WITH(run_training(o), Catch::Contains("--ep 2 to divide --experts 3"));
@@ -206,8 +210,8 @@ TEST_CASE("bad input is a clear error and overwrites nothing", "[train]") {
   CHECK_THROWS_WITH(run_training(o), Catch::Contains("--micro-batches >= 2"));
   o = tiny();
   o.data = (dir.path / "missing.txt").string();
-  CHECK_THROWS_WITH(run_training(o), Catch::Contains("cannot open the data file") &&
-                                  Catch::Contains("missing.txt"));
+  CHECK_THROWS_WITH(run_training(o),
+                    Catch::Contains("cannot open the data file") && Catch::Contains("missing.txt"));
   {
     std::ofstream small(dir.path / "small.txt");
     small << "tiny";
@@ -360,4 +364,79 @@ TEST_CASE("a soak run of many short steps keeps memory constant", "[train][soak]
   CHECK(late_reserved <= early_reserved + early_reserved / 20);
   CHECK(late_rss <= early_rss + early_rss / 10 + (4 << 20));
   CHECK(std::isfinite(r.steps.back().loss));
+}
+
+namespace {
+
+int thread_count() {
+  int n = 0;
+  for (const auto& e : fs::directory_iterator("/proc/self/task")) {
+    (void)e;
+    ++n;
+  }
+  return n;
+}
+
+struct WaitTimeout {
+  std::chrono::milliseconds saved = wait_timeout();
+  explicit WaitTimeout(std::chrono::milliseconds t) { set_wait_timeout(t); }
+  ~WaitTimeout() { set_wait_timeout(saved); }
+};
+
+}  // namespace
+
+TEST_CASE("a failing rank ends the job at once with an error naming it", "[train][faults]") {
+  // Note [Injected faults]: rank 2 throws in a forward (its peers are in, or
+  // about to enter, collectives with it), inside a backward, or between the
+  // schedule and the gradient reduction. The peers are aborted, not left to
+  // time out; the checkpoint saved before the fault stays intact; no thread
+  // or allocation outlives the failed job.
+  WaitTimeout bound(std::chrono::seconds(20));
+  run_training(tiny());  // warm the process-wide singletons first
+  const int threads_before = thread_count();
+  const int64_t allocated_before = memory_stats(Device::cpu()).allocated_bytes;
+  for (const char* kind : {"forward", "backward", "step-end"}) {
+    INFO(kind);
+    TempDir dir;
+    TrainOptions o = tiny();
+    o.steps = 4;
+    o.fault = std::string("2:2:") + kind;
+    o.save_dir = (dir.path / "ckpt").string();
+    o.save_every = 1;
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH(run_training(o), Catch::Contains(std::string("injected fault '") + kind +
+                                                       "' on rank 2 at step 2"));
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+    CheckpointInfo info = find_checkpoint(o.save_dir);
+    CHECK(info.step == 2);
+    TrainOptions resumed = tiny();
+    resumed.steps = 3;
+    resumed.resume = o.save_dir;
+    CHECK(run_training(resumed).steps.size() == 1);
+    CHECK(thread_count() == threads_before);
+    CHECK(memory_stats(Device::cpu()).allocated_bytes == allocated_before);
+  }
+}
+
+TEST_CASE("a rank that never arrives becomes a timeout error within the deadline",
+          "[train][faults]") {
+  WaitTimeout bound(std::chrono::seconds(2));
+  TrainOptions o = tiny();
+  o.steps = 3;
+  o.fault = "1:1:hang";  // rank 1 stops for twice the wait timeout
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(run_training(o), Catch::Contains("within 2000 ms"));
+  // The peers fail at the deadline; rank 1 wakes at twice it and finds the
+  // world aborted.
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(12));
+}
+
+TEST_CASE("a bad --inject-fault is a clear error", "[train][faults]") {
+  for (const char* bad : {"1:2", "x:1:forward", "1:1:explode", "-1:0:exit", "1:1:forward:x"}) {
+    CHECK_THROWS_WITH(parse_fault(bad), Catch::Contains("RANK:STEP:KIND"));
+  }
+  CHECK(parse_fault("3:7:hang").step == 7);
+  TrainOptions o = tiny();
+  o.fault = "9:0:forward";
+  CHECK_THROWS_WITH(run_training(o), Catch::Contains("names rank 9 of a world of 4"));
 }

@@ -97,12 +97,28 @@ def bad_layout_fails():
     assert "world size 4" in p.stderr, p.stderr
 
 
+def fault(kind, expect):
+    def check():
+        env = dict(os.environ, TANDEM_WAIT_TIMEOUT_S="5")
+        start = time.time()
+        p = subprocess.run(MPI + [train] + TINY + ["--steps", "4", "--inject-fault", f"2:1:{kind}"],
+                           capture_output=True, text=True, timeout=120, env=env)
+        took = time.time() - start
+        assert p.returncode != 0, f"{kind}: exit 0\n{p.stdout[-1000:]}"
+        assert expect in p.stderr, f"{kind}: stderr lacks {expect!r}:\n{p.stderr[-3000:]}"
+        assert took < 60, f"{kind}: took {took:.0f} s"
+    return check
+
+
 case("trains and saves under mpirun", trains_and_saves)
 case("resumes bit-exactly", resumes_bit_exact)
 case("resumes on another layout", resumes_on_another_layout)
 case("writes a merged trace", trace_has_every_rank)
 case("exports whole tensors", exports)
 case("a bad layout is a clear error", bad_layout_fails)
+case("a rank that throws stops the job", fault("forward", "injected fault 'forward' on rank 2"))
+case("a rank that dies stops the job", fault("exit", "the process exits now"))
+case("a rank that never arrives: the watchdog fires", fault("hang", "within 5000 ms"))
 shutil.rmtree(tmp, ignore_errors=True)
 
 with open(junit, "w") as f:

@@ -39,15 +39,9 @@ int calibrate(const Kernel& kernel, double min_trial_s) {
   }
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 Timing summarize(const std::vector<double>& per_call, int reps) {
   Timing t;
-  t.median_s = median(per_call);
+  t.median_s = sample_median(per_call);
   t.min_s = *std::min_element(per_call.begin(), per_call.end());
   t.reps = reps;
   t.trials = static_cast<int>(per_call.size());
@@ -100,6 +94,31 @@ nlohmann::ordered_json row_json(const Row& row) {
 
 }  // namespace
 
+double sample_median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+Timing timing_of_steps(const std::vector<double>& per_step) {
+  Timing t;
+  t.median_s = sample_median(per_step);
+  t.min_s = per_step.empty() ? 0 : *std::min_element(per_step.begin(), per_step.end());
+  t.reps = 1;
+  t.trials = static_cast<int>(per_step.size());
+  return t;
+}
+
+void Lockstep::guard(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (...) {
+    barrier_.arrive_and_drop();
+    throw;
+  }
+}
+
 TimingConfig timing_config(const Options& options) {
   TimingConfig config;
   if (options.quick) {
@@ -128,7 +147,7 @@ PairTiming time_interleaved(const Kernel& tandem, const Kernel& baseline,
   std::vector<double> ratios(t.size());
   for (size_t i = 0; i < t.size(); ++i)
     ratios[i] = b[i] / t[i];
-  return {summarize(t, tandem_reps), summarize(b, baseline_reps), median(ratios)};
+  return {summarize(t, tandem_reps), summarize(b, baseline_reps), sample_median(ratios)};
 }
 
 std::string compare(const std::vector<float>& got, const std::vector<float>& want, double rtol,
@@ -155,6 +174,7 @@ std::string compare(const std::vector<float>& got, const std::vector<float>& wan
 
 Report::Report(std::string benchmark, const Options& options, const TimingConfig& config)
     : benchmark_(std::move(benchmark)), options_(options) {
+  if (options_.collect != nullptr) options_.json = true;  // no table
   json_ = {
       {"benchmark", benchmark_},
       {"quick", options.quick},
@@ -226,7 +246,9 @@ int Report::finish() {
   }
   json_["summary"] = {
       {"rows", rows_.size()}, {"passed", passed}, {"failed", failed}, {"errors", errors}};
-  if (options_.json) {
+  if (options_.collect != nullptr) {
+    *options_.collect = json_;
+  } else if (options_.json) {
     fmt::print("{}\n", json_.dump(2));
   } else {
     fmt::print("\n{} rows: {} passed, {} below target, {} errors\n", rows_.size(), passed, failed,

@@ -17,6 +17,7 @@
 // median drops. Shown times are the median per-call time of each side.
 #pragma once
 
+#include <barrier>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -36,6 +37,9 @@ struct Options {
   // where to write the Chrome trace of one overlapped step (empty: nowhere).
   int ranks = 0, micro_batches = 0;
   std::string trace;
+  // `all`: when set, Report::finish() stores its JSON object here and
+  // nothing is printed (the table is off too). Not owned: run_all's.
+  nlohmann::ordered_json* collect = nullptr;
 };
 
 struct TimingConfig {
@@ -63,6 +67,25 @@ struct PairTiming {
 PairTiming time_interleaved(const Kernel& tandem, const Kernel& baseline,
                             const TimingConfig& config);
 
+// The median of `v` (0 when empty).
+double sample_median(std::vector<double> v);
+// Whole steps timed one call per trial (`cp`, `overlap`: not time_interleaved).
+Timing timing_of_steps(const std::vector<double>& per_step);
+
+// A barrier of the rank threads of a multi-rank benchmark (run_ranks): each
+// rank calls sync() at the same points. A rank that fails inside guard()
+// drops out of the barrier (so its peers never wait for it) before its error
+// reaches run_ranks.
+class Lockstep {
+ public:
+  explicit Lockstep(int ranks) : barrier_(ranks) {}
+  void sync() { barrier_.arrive_and_wait(); }
+  void guard(const std::function<void()>& body);
+
+ private:
+  std::barrier<> barrier_;
+};
+
 // Compares `got` (tandem) with `want` (baseline) elementwise:
 // |got - want| <= atol + rtol * |want|. Returns an empty string when they
 // agree, else a message naming the worst element.
@@ -86,7 +109,8 @@ struct Row {
 };
 
 // Collects rows; in table mode prints each as it arrives, so a long run shows
-// progress. finish() prints the summary (or the JSON object).
+// progress. finish() prints the summary (or the JSON object, or hands it to
+// Options::collect).
 class Report {
  public:
   Report(std::string benchmark, const Options& options, const TimingConfig& config);
@@ -118,5 +142,8 @@ int run_comm(const Options& options);      // bench_comm.cpp
 int run_dtensor(const Options& options);   // bench_dtensor.cpp
 int run_cp(const Options& options);        // bench_cp.cpp
 int run_overlap(const Options& options);   // bench_overlap.cpp
+// Every sub-benchmark's --quick run in this process, as one JSON document
+// written to `json_path` (stdout when empty); progress on stderr.
+int run_all(const std::string& json_path);  // bench_all.cpp
 
 }  // namespace tandem::bench

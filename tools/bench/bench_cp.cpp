@@ -53,7 +53,6 @@
 // so this is close to the per-rank peak, but it understates a rank whose
 // peak falls while the others are low.
 #include <algorithm>
-#include <barrier>
 #include <chrono>
 #include <cmath>
 #include <exception>
@@ -130,22 +129,6 @@ struct Size {
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-Timing timing_of(const std::vector<double>& per_step) {
-  Timing t;
-  t.median_s = median(per_step);
-  t.min_s = per_step.empty() ? 0 : *std::min_element(per_step.begin(), per_step.end());
-  t.reps = 1;
-  t.trials = static_cast<int>(per_step.size());
-  return t;
 }
 
 int64_t allocated_bytes() {
@@ -270,25 +253,6 @@ struct LinkChoice {
   double a2a_bytes = 0;  // per rank, one all-to-all of the q projection's output
 };
 
-// A barrier of the rank threads; a rank that fails drops out of it (so its
-// peers never wait for it) before its error reaches run_ranks.
-class Lockstep {
- public:
-  explicit Lockstep(int ranks) : barrier_(ranks) {}
-  void sync() { barrier_.arrive_and_wait(); }
-  void guard(const std::function<void()>& body) {
-    try {
-      body();
-    } catch (...) {
-      barrier_.arrive_and_drop();
-      throw;
-    }
-  }
-
- private:
-  std::barrier<> barrier_;
-};
-
 LinkChoice calibrate_link(const Size& size) {
   constexpr int kWarmup = 2, kTrials = 9;
   const int64_t local = (size.seq + kRanks - 1) / kRanks;
@@ -312,7 +276,7 @@ LinkChoice calibrate_link(const Size& size) {
     });
   });
   LinkChoice c;
-  c.gemm_s = median(times);
+  c.gemm_s = sample_median(times);
   c.a2a_bytes = static_cast<double>(kRanks - 1) / kRanks * static_cast<double>(x.nbytes());
   c.model = LinkModel{kLinkLatencyUs, c.a2a_bytes / c.gemm_s / 1e9, {}};
   return c;
@@ -344,20 +308,20 @@ struct ModeRun {
   double process_peak_bytes = 0;
   std::string error;
 
-  double step() const { return median(step_s); }
-  double compute() const { return median(compute_s); }
+  double step() const { return sample_median(step_s); }
+  double compute() const { return sample_median(compute_s); }
   double exposed() const {
     std::vector<double> d;
     for (size_t i = 0; i < step_s.size(); ++i)
       d.push_back(step_s[i] - compute_s[i]);
-    return median(d);
+    return sample_median(d);
   }
   // Exposed communication as the extra time the rank threads slept.
   double exposed_slept() const {
     std::vector<double> d;
     for (size_t i = 0; i < slept_step_s.size(); ++i)
       d.push_back(slept_step_s[i] - slept_compute_s[i]);
-    return d.empty() || std::isnan(d[0]) ? std::nan("") : median(d);
+    return d.empty() || std::isnan(d[0]) ? std::nan("") : sample_median(d);
   }
   // The exposed figure the async comparison uses (Note [CP benchmark method]).
   double exposed_best() const {
@@ -617,7 +581,8 @@ void add_rows(Report& report, const std::vector<Measured>& all) {
       std::vector<double> ratios;
       for (size_t i = 0; i < m.run.step_s.size(); ++i)
         ratios.push_back(m.run.compute_s[i] / m.run.step_s[i]);
-      row.timing = {timing_of(m.run.step_s), timing_of(m.run.compute_s), median(ratios)};
+      row.timing = {timing_of_steps(m.run.step_s), timing_of_steps(m.run.compute_s),
+                    sample_median(ratios)};
     }
     report.add(std::move(row));
   }
@@ -636,8 +601,8 @@ void add_rows(Report& report, const std::vector<Measured>& all) {
       row.error = !m.run.error.empty() ? m.run.error : sync->run.error;
     } else {
       const double async_s = m.run.exposed_best(), sync_s = sync->run.exposed_best();
-      row.timing.tandem = timing_of({async_s});
-      row.timing.baseline = timing_of({sync_s});
+      row.timing.tandem = timing_of_steps({async_s});
+      row.timing.baseline = timing_of_steps({sync_s});
       // Sync exposure within noise (<= 0): nothing measurable to hide, the
       // row fails. An async side hidden within noise caps the ratio at 100.
       row.timing.ratio = sync_s <= 0 ? 0.0 : sync_s / std::max(async_s, sync_s / 100);
@@ -776,9 +741,9 @@ int run_cp(const Options& options) {
   Tensor w = ops::randn({kBatch, size.seq, size.dim}, gen);
   SingleRun single = run_single(size, x, w, 1);
   report.set("single_rank",
-             {{"peak_bytes", single.peak_bytes}, {"step_ms", median(single.step_s) * 1e3}},
+             {{"peak_bytes", single.peak_bytes}, {"step_ms", sample_median(single.step_s) * 1e3}},
              fmt::format("single-rank layer (no CP, 1 thread): step {:.1f} ms, peak {:.1f} MiB",
-                         median(single.step_s) * 1e3, single.peak_bytes / kMiB));
+                         sample_median(single.step_s) * 1e3, single.peak_bytes / kMiB));
 
   std::vector<Measured> measured;
   for (const std::vector<const Mode*>& group : mode_groups(modes)) {

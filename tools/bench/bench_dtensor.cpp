@@ -17,11 +17,10 @@
 // Four ranks run as threads of this process (threads backend), on a 16 MiB
 // f32 global tensor. The rank threads start once and stay alive for every row:
 // rank 0 runs the interleaved timer, and each call of a timed side becomes a
-// command that every rank executes in lockstep (Lockstep below), so thread
+// command that every rank executes in lockstep (CommandLoop below), so thread
 // start-up and mesh construction are never timed. Before timing, each row
 // checks on every rank that redistribute computed what the raw collective
 // (or, for Shard(0) -> Shard(1), a slice of the global tensor) gives.
-#include <barrier>
 #include <exception>
 #include <functional>
 #include <mutex>
@@ -45,43 +44,44 @@ constexpr double kTarget = 0.9;
 // run together.
 enum class Command : int { Tandem, Baseline, Check, Stop };
 
-// Rank 0 issues commands; the other ranks serve them. Two barrier phases per
+// Rank 0 issues commands; the other ranks serve them. Two lockstep phases per
 // command, stop() included: one to publish it, one so that the issuing call
 // returns only once every rank has finished (a timed trial covers the slowest
-// rank) and has read the command (rank 0 may then write the next one).
-class Lockstep {
+// rank) and has read the command (rank 0 may then write the next one). Errors
+// are recorded per row, never thrown, so no rank leaves the lockstep early.
+class CommandLoop {
  public:
-  explicit Lockstep(int ranks) : barrier_(ranks) {}
+  explicit CommandLoop(int ranks) : lockstep_(ranks) {}
 
   // Rank 0: runs `command` on every rank, `body` being this rank's part.
   template <class F>
   void issue(Command command, int reps, F&& body) {
     command_ = command;
     reps_ = reps;
-    barrier_.arrive_and_wait();
+    lockstep_.sync();
     body(command, reps);
-    barrier_.arrive_and_wait();
+    lockstep_.sync();
   }
   void stop() {
     command_ = Command::Stop;
-    barrier_.arrive_and_wait();
-    barrier_.arrive_and_wait();
+    lockstep_.sync();
+    lockstep_.sync();
   }
   // Other ranks: runs commands until stop().
   template <class F>
   void serve(F&& body) {
     for (;;) {
-      barrier_.arrive_and_wait();
+      lockstep_.sync();
       const Command command = command_;
       if (command != Command::Stop) body(command, reps_);
-      barrier_.arrive_and_wait();
+      lockstep_.sync();
       if (command == Command::Stop) return;
     }
   }
 
  private:
-  std::barrier<> barrier_;
-  // Written by rank 0 before the first barrier phase, read between the two.
+  Lockstep lockstep_;
+  // Written by rank 0 before the first phase, read between the two.
   Command command_ = Command::Stop;
   int reps_ = 0;
 };
@@ -198,7 +198,7 @@ struct RowError {
 // Failures are recorded, never thrown: every rank must keep meeting the
 // barriers of the lockstep.
 void run_row(Report& report, const TimingConfig& config, const Case& c, const Tensor& global,
-             const DeviceMesh& mesh, Lockstep& lockstep, RowError& error) {
+             const DeviceMesh& mesh, CommandLoop& lockstep, RowError& error) {
   const int rank = static_cast<int>(mesh.coordinate()[0]);
   Sides sides;
   try {
@@ -275,7 +275,7 @@ int run_dtensor(const Options& options) {
     probe.name = fmt::format("{} 16MiB", c.name);
     if (report.wants(probe)) cases.push_back(&c);
   }
-  Lockstep lockstep(kRanks);
+  CommandLoop lockstep(kRanks);
   std::vector<RowError> errors(cases.size());
   run_ranks(kRanks, [&](ProcessGroupPtr world) {
     DeviceMesh mesh(world, {kRanks}, {"x"});

@@ -58,15 +58,12 @@
 // rank 0's link time and how long its collectives waited for the link after
 // their issue (the link serialises the collectives of one group, and both
 // sides use the same group), and how busy the link was inside the pair
-// windows.
+// windows. Reading the traffic and checking the trace is bench_overlap_trace.cpp.
 #include <algorithm>
 #include <array>
-#include <barrier>
 #include <chrono>
 #include <fstream>
-#include <functional>
 #include <limits>
-#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -85,9 +82,16 @@
 #include "runtime/trace.h"
 #include "tensor/ops.h"
 #include "tools/bench/bench.h"
+#include "tools/bench/bench_overlap.h"
 
 namespace tandem::bench {
 namespace {
+
+using overlap::check_trace;
+using overlap::read_traffic;
+using overlap::SideTraffic;
+using overlap::TraceCheck;
+using overlap::Traffic;
 
 using Clock = std::chrono::steady_clock;
 using Json = nlohmann::ordered_json;
@@ -132,41 +136,6 @@ Setup make_setup(const Options& options) {
 double seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-Timing timing_of(const std::vector<double>& per_step) {
-  Timing t;
-  t.median_s = median(per_step);
-  t.min_s = per_step.empty() ? 0 : *std::min_element(per_step.begin(), per_step.end());
-  t.reps = 1;
-  t.trials = static_cast<int>(per_step.size());
-  return t;
-}
-
-// A barrier of the rank threads; a rank that fails drops out of it (so its
-// peers never wait for it) before its error reaches run_ranks.
-class Lockstep {
- public:
-  explicit Lockstep(int ranks) : barrier_(ranks) {}
-  void sync() { barrier_.arrive_and_wait(); }
-  void guard(const std::function<void()>& body) {
-    try {
-      body();
-    } catch (...) {
-      barrier_.arrive_and_drop();
-      throw;
-    }
-  }
-
- private:
-  std::barrier<> barrier_;
-};
 
 // When one step began and ended, and when each micro-batch's forward and
 // backward began (on whichever thread ran them).
@@ -260,222 +229,6 @@ class RankModel {
   std::vector<std::pair<Tensor, Tensor>> batches_;
 };
 
-// ---- traffic ----
-
-// Bytes of each collective of one step, per micro-batch and direction, the
-// larger of the ranks' for each collective (the slower rank sets the pace).
-struct Traffic {
-  // [micro-batch][0 = forward, 1 = backward] → bytes of each collective.
-  std::vector<std::array<std::vector<double>, 2>> bytes;
-
-  double seconds_of(const LinkModel& link, size_t i, int direction) const {
-    double us = 0;
-    for (double b : bytes[i][direction])
-      us += link.transfer_us(CollectiveKind::AllToAll, b);
-    return us * 1e-6;
-  }
-  double forward_s(const LinkModel& link, size_t i) const { return seconds_of(link, i, 0); }
-  double backward_s(const LinkModel& link, size_t i) const { return seconds_of(link, i, 1); }
-  double step_s(const LinkModel& link) const {
-    double s = 0;
-    for (size_t i = 0; i < bytes.size(); ++i)
-      s += forward_s(link, i) + backward_s(link, i);
-    return s;
-  }
-  double bytes_per_micro_batch() const {
-    double total = 0;
-    for (const auto& mb : bytes) {
-      for (const auto& dir : mb) {
-        for (double b : dir)
-          total += b;
-      }
-    }
-    return total / static_cast<double>(bytes.size());
-  }
-  size_t collectives_per_micro_batch() const { return bytes[0][0].size() + bytes[0][1].size(); }
-};
-
-// The link events of one sequential step (Note [Simulated link timing]). In
-// launch order, each micro-batch's forward issues per MoE layer the counts,
-// dispatch and combine all-to-alls, and its backward the reverse combine and
-// dispatch ones: 3L then 2L collectives.
-Traffic read_traffic(const Json& doc, const Setup& setup, int moe_layers) {
-  const size_t per_forward = 3 * static_cast<size_t>(moe_layers);
-  const size_t per_micro_batch = 5 * static_cast<size_t>(moe_layers);
-  std::map<int, std::vector<std::pair<int64_t, double>>> by_rank;  // rank → (seq, bytes)
-  for (const Json& e : doc["traceEvents"]) {
-    if (e["ph"] != "X" || e["cat"] != "link") continue;
-    by_rank[e["pid"].get<int>()].emplace_back(e["args"]["seq"].get<int64_t>(),
-                                              e["args"]["bytes"].get<double>());
-  }
-  TANDEM_CHECK(static_cast<int>(by_rank.size()) == setup.ranks,
-               "[bench::overlap] expected link events from {} ranks, got {}", setup.ranks,
-               by_rank.size());
-  Traffic t;
-  t.bytes.resize(static_cast<size_t>(setup.micro_batches));
-  for (auto& [rank, events] : by_rank) {
-    TANDEM_CHECK(events.size() == per_micro_batch * setup.micro_batches,
-                 "[bench::overlap] expected {} collectives per micro-batch x {} on rank {}, got {}",
-                 per_micro_batch, setup.micro_batches, rank, events.size());
-    std::sort(events.begin(), events.end());
-    for (size_t j = 0; j < events.size(); ++j) {
-      const size_t within = j % per_micro_batch;
-      const int direction = within < per_forward ? 0 : 1;
-      const size_t slot = direction == 0 ? within : within - per_forward;
-      std::vector<double>& v = t.bytes[j / per_micro_batch][direction];
-      if (v.size() <= slot) v.resize(slot + 1, 0.0);
-      v[slot] = std::max(v[slot], events[j].second);
-    }
-  }
-  return t;
-}
-
-// ---- the trace of one overlapped step ----
-
-struct SideTraffic {
-  int collectives = 0;
-  double link_ms = 0;    // the link time they were charged
-  double queued_ms = 0;  // from issue until the link was free for them
-  // The split-size exchanges ("ep counts", at most 8 bytes per expert): tiny,
-  // but waited for on the host right after their issue.
-  int counts = 0;
-  double counts_queued_ms = 0;
-};
-
-struct TraceCheck {
-  std::string error;  // empty when the trace has what it must
-  int events = 0;
-  int rounds = 0;                    // rendezvous rounds checked for their order, all ranks
-  std::array<SideTraffic, 2> rank0;  // forward, backward worker
-  double rank0_link_busy_ms = 0;
-  double rank0_window_ms = 0;  // inside the overlap windows (the pairs)
-  double rank0_window_busy_ms = 0;
-};
-
-struct Rendezvous {
-  int worker;
-  bool comm;  // the role it announced
-  double ts;  // when it returned
-};
-
-// Checks that every rank's trace has rendezvous and collective issue events
-// from both workers, and that in every rendezvous round the Compute side went
-// on only after the Comm side had issued its collective (Note [Hook
-// coordinator]); sums rank 0's link traffic per side and inside the windows.
-TraceCheck check_trace(const Json& doc, int ranks, int64_t experts) {
-  static const char* kWorkers[2] = {"forward-worker", "backward-worker"};
-  TraceCheck c;
-  std::map<std::pair<int, int>, std::string> lanes;  // (pid, tid) → thread name
-  for (const Json& e : doc["traceEvents"]) {
-    if (e["ph"] == "M" && e["name"] == "thread_name") {
-      lanes[{e["pid"].get<int>(), e["tid"].get<int>()}] = e["args"]["name"].get<std::string>();
-    }
-  }
-  std::map<std::pair<int, int>, std::vector<double>> issues;  // (rank, worker) → issue times
-  // (rank, window, round) → its two rendezvous.
-  std::map<std::array<int64_t, 3>, std::vector<Rendezvous>> rounds;
-  std::map<int64_t, std::pair<int, double>> issued;  // rank 0: seq → (worker, issue ts)
-  std::vector<double> enables, disables;             // rank 0
-  for (const Json& e : doc["traceEvents"]) {
-    if (e["ph"] == "M") continue;
-    ++c.events;
-    const int pid = e["pid"].get<int>();
-    const std::string name = e["name"].get<std::string>();
-    const double ts = e["ts"].get<double>();
-    if (pid == 0 && e["cat"] == "coordinator" && (name == "enable" || name == "disable")) {
-      (name == "enable" ? enables : disables).push_back(ts);
-    }
-    const std::string& lane = lanes[{pid, e["tid"].get<int>()}];
-    const int worker = lane == kWorkers[0] ? 0 : lane == kWorkers[1] ? 1 : -1;
-    if (worker < 0) continue;
-    const Json& args = e["args"];
-    if (e["cat"] == "coordinator" && name == "rendezvous" && !args.contains("skipped")) {
-      rounds[{pid, args["window"].get<int64_t>(), args["round"].get<int64_t>()}].push_back(
-          {worker, args["role"] == "Comm", ts});
-    } else if (e["cat"] == "comm" && name.rfind("issue ", 0) == 0) {
-      issues[{pid, worker}].push_back(ts);
-      if (pid == 0) issued[args["seq"].get<int64_t>()] = {worker, ts};
-    }
-  }
-  for (int r = 0; r < ranks && c.error.empty(); ++r) {
-    for (int w = 0; w < 2; ++w) {
-      const bool has_rendezvous = std::any_of(rounds.begin(), rounds.end(), [&](const auto& kv) {
-        return kv.first[0] == r && std::any_of(kv.second.begin(), kv.second.end(),
-                                               [&](const Rendezvous& z) { return z.worker == w; });
-      });
-      if (!has_rendezvous || issues[{r, w}].empty()) {
-        c.error = fmt::format(
-            "expected rendezvous and collective issue events from rank {}'s {}, got {} and {}", r,
-            kWorkers[w], has_rendezvous ? "some" : "none", issues[{r, w}].size());
-        break;
-      }
-    }
-  }
-  for (auto& [key, pair] : rounds) {
-    if (!c.error.empty()) break;
-    if (pair.size() != 2 || pair[0].comm == pair[1].comm) {
-      c.error = fmt::format(
-          "expected one Comm and one Compute rendezvous in round {} of window "
-          "{} on rank {}, got {} rendezvous",
-          key[2], key[1], key[0], pair.size());
-      break;
-    }
-    const Rendezvous& comm = pair[0].comm ? pair[0] : pair[1];
-    const Rendezvous& compute = pair[0].comm ? pair[1] : pair[0];
-    std::vector<double>& times = issues[{static_cast<int>(key[0]), comm.worker}];
-    std::sort(times.begin(), times.end());
-    auto first_issue = std::lower_bound(times.begin(), times.end(), comm.ts);
-    if (first_issue == times.end() || *first_issue > compute.ts) {
-      c.error = fmt::format(
-          "expected the Compute side of round {} of window {} on rank {} to go "
-          "on after the Comm side's issue, got it at {} us, before it",
-          key[2], key[1], key[0], compute.ts);
-      break;
-    }
-    ++c.rounds;
-  }
-  // Rank 0's link events in launch order (seq): the order the link serves them.
-  std::map<int64_t, const Json*> links;
-  for (const Json& e : doc["traceEvents"]) {
-    if (e["ph"] == "X" && e["cat"] == "link" && e["pid"].get<int>() == 0) {
-      links[e["args"]["seq"].get<int64_t>()] = &e;
-    }
-  }
-  std::vector<std::pair<double, double>> busy;  // rank 0's link intervals, us
-  double previous_end = 0;
-  for (const auto& [seq, e] : links) {
-    const double ts = (*e)["ts"].get<double>(), dur = (*e)["dur"].get<double>();
-    auto it = issued.find(seq);
-    if (it != issued.end()) {
-      SideTraffic& s = c.rank0[static_cast<size_t>(it->second.first)];
-      // Waited for the link: from the issue until the previous collective
-      // left it. (The event's own start is stamped after the launch into the
-      // inner backend returned, so on a loaded machine it can lag the
-      // simulated start; the previous end bounds the real wait.)
-      const double issue = it->second.second;
-      const double queued_ms =
-          std::clamp(ts - issue, 0.0, std::max(0.0, previous_end - issue)) * 1e-3;
-      ++s.collectives;
-      s.link_ms += dur * 1e-3;
-      s.queued_ms += queued_ms;
-      if ((*e)["args"]["bytes"].get<double>() <= 8.0 * static_cast<double>(experts)) {
-        ++s.counts;
-        s.counts_queued_ms += queued_ms;
-      }
-    }
-    c.rank0_link_busy_ms += dur * 1e-3;
-    busy.emplace_back(ts, ts + dur);
-    previous_end = std::max(previous_end, ts + dur);
-  }
-  for (size_t w = 0; w < std::min(enables.size(), disables.size()); ++w) {
-    const double a = enables[w], b = disables[w];
-    c.rank0_window_ms += (b - a) * 1e-3;
-    for (const auto& [x, y] : busy)
-      c.rank0_window_busy_ms += std::max(0.0, std::min(b, y) - std::max(a, x)) * 1e-3;
-  }
-  return c;
-}
-
 // ---- the run ----
 
 enum Variant { kSeqLink, kOverlapLink, kSeqFree, kOverlapFree, kVariants };
@@ -517,7 +270,8 @@ Measured measure(const Setup& setup, const std::string& trace_path) {
       timed(free_model, false);
       if (leader) {
         trace_stop();
-        out.traffic = read_traffic(Json::parse(trace_json()), setup, free_model.moe_layers());
+        out.traffic = read_traffic(Json::parse(trace_json()), setup.ranks, setup.micro_batches,
+                                   free_model.moe_layers());
       }
       std::vector<double> per_mb, fwd, bwd;
       for (int s = 0; s < setup.calibration_steps; ++s) {
@@ -530,9 +284,9 @@ Measured measure(const Setup& setup, const std::string& trace_path) {
         }
       }
       if (leader) {
-        out.compute_per_micro_batch_s = median(per_mb);
-        out.forward_per_micro_batch_s = median(fwd);
-        out.backward_per_micro_batch_s = median(bwd);
+        out.compute_per_micro_batch_s = sample_median(per_mb);
+        out.forward_per_micro_batch_s = sample_median(fwd);
+        out.backward_per_micro_batch_s = sample_median(bwd);
         const double collectives = static_cast<double>(out.traffic.collectives_per_micro_batch());
         const double transfer_us =
             out.compute_per_micro_batch_s * 1e6 - collectives * kLinkLatencyUs;
@@ -637,7 +391,7 @@ Row make_row(const char* name, const char* baseline, double target, const std::v
   std::vector<double> ratios;
   for (size_t i = 0; i < t.size(); ++i)
     ratios.push_back(b[i] / t[i]);
-  row.timing = {timing_of(t), timing_of(b), median(ratios)};
+  row.timing = {timing_of_steps(t), timing_of_steps(b), sample_median(ratios)};
   return row;
 }
 
@@ -722,7 +476,7 @@ int run_overlap(const Options& options) {
     std::vector<double> v;
     for (const Trial& t : trials)
       v.push_back(t.phases.pairs[i]);
-    pair_compute[i] = median(v);
+    pair_compute[i] = sample_median(v);
   }
   for (size_t t = 0; t < trials.size(); ++t) {
     first[t] = trials[t].phases.first_forward;
@@ -735,50 +489,51 @@ int run_overlap(const Options& options) {
   auto line = [&](const char* what, double v, const char* how) {
     text += fmt::format("  {:<34} {:>9.1f} ms  {}\n", what, v * ms, how);
   };
-  line("sequential", median(seq), "F1 B1 F2 B2 ... on the link");
-  line("overlapped", median(ovl), "F1 [B1 || F2] ... Bn on the link");
-  line("compute-only sequential", median(cseq), "free link");
-  line("compute-only overlapped", median(covl), "free link");
+  line("sequential", sample_median(seq), "F1 B1 F2 B2 ... on the link");
+  line("overlapped", sample_median(ovl), "F1 [B1 || F2] ... Bn on the link");
+  line("compute-only sequential", sample_median(cseq), "free link");
+  line("compute-only overlapped", sample_median(covl), "free link");
   line("comm", comm, "sum of the simulated transfers of one step");
   line("  of which F1 + Bn (unhideable)", unavoidable, "");
-  line("ideal", median(ideal), "Note [Overlap benchmark method]");
-  line("ideal + 0.2 comm", median(bound), "the target for overlapped");
-  line("exposed = overlapped - compute-only", median(exposed), "");
+  line("ideal", sample_median(ideal), "Note [Overlap benchmark method]");
+  line("ideal + 0.2 comm", sample_median(bound), "the target for overlapped");
+  line("exposed = overlapped - compute-only", sample_median(exposed), "");
   text += fmt::format("  {:<34} {:>9.1f} %   (sequential - overlapped) / comm\n", "hidden",
-                      100 * median(hidden));
+                      100 * sample_median(hidden));
   text += fmt::format("  {:<34} {:>9.1f} %   1 - exposed / comm\n", "hidden, by exposure",
-                      100 * (1 - median(exposed) / comm));
-  text += fmt::format("  {:<34} {:>9.1f} %   (sequential - ideal) / comm: the most there is\n",
-                      "hidden at the ideal", 100 * (median(seq) - median(ideal)) / comm);
+                      100 * (1 - sample_median(exposed) / comm));
+  text +=
+      fmt::format("  {:<34} {:>9.1f} %   (sequential - ideal) / comm: the most there is\n",
+                  "hidden at the ideal", 100 * (sample_median(seq) - sample_median(ideal)) / comm);
   // The calibration chose comm = compute per micro-batch; on a noisy machine
   // the trials' compute can drift from it, so the regime reached is shown.
   text += fmt::format("  {:<34} {:>9.2f}     comm / compute-only sequential (calibrated: 1)\n",
-                      "comm / compute in the trials", comm / median(cseq));
+                      "comm / compute in the trials", comm / sample_median(cseq));
   text += fmt::format("phases of the compute-only overlapped step vs their comm (ms):\n");
-  text += fmt::format("  F1      compute {:7.1f}  comm {:7.1f}\n", median(first) * ms,
+  text += fmt::format("  F1      compute {:7.1f}  comm {:7.1f}\n", sample_median(first) * ms,
                       tr.forward_s(m.link, 0) * ms);
   for (size_t i = 1; i < n; ++i) {
     text += fmt::format("  B{}||F{}  compute {:7.1f}  comm {:7.1f}\n", i, i + 1,
                         pair_compute[i - 1] * ms,
                         (tr.backward_s(m.link, i - 1) + tr.forward_s(m.link, i)) * ms);
   }
-  text += fmt::format("  B{}      compute {:7.1f}  comm {:7.1f}\n", n, median(last) * ms,
+  text += fmt::format("  B{}      compute {:7.1f}  comm {:7.1f}\n", n, sample_median(last) * ms,
                       tr.backward_s(m.link, n - 1) * ms);
   text += fmt::format("losses of the overlapped steps {} those of the sequential ones",
                       m.losses_identical ? "are bit-identical to" : "DIFFER from");
-  Json step = {{"sequential_ms", median(seq) * ms},
-               {"overlapped_ms", median(ovl) * ms},
-               {"compute_only_sequential_ms", median(cseq) * ms},
-               {"compute_only_overlapped_ms", median(covl) * ms},
+  Json step = {{"sequential_ms", sample_median(seq) * ms},
+               {"overlapped_ms", sample_median(ovl) * ms},
+               {"compute_only_sequential_ms", sample_median(cseq) * ms},
+               {"compute_only_overlapped_ms", sample_median(covl) * ms},
                {"comm_ms", comm * ms},
                {"unhideable_comm_ms", unavoidable * ms},
-               {"ideal_ms", median(ideal) * ms},
-               {"target_ms", median(bound) * ms},
-               {"exposed_ms", median(exposed) * ms},
-               {"hidden_fraction", median(hidden)},
-               {"hidden_fraction_by_exposure", 1 - median(exposed) / comm},
-               {"hidden_fraction_at_ideal", (median(seq) - median(ideal)) / comm},
-               {"comm_over_compute", comm / median(cseq)},
+               {"ideal_ms", sample_median(ideal) * ms},
+               {"target_ms", sample_median(bound) * ms},
+               {"exposed_ms", sample_median(exposed) * ms},
+               {"hidden_fraction", sample_median(hidden)},
+               {"hidden_fraction_by_exposure", 1 - sample_median(exposed) / comm},
+               {"hidden_fraction_at_ideal", (sample_median(seq) - sample_median(ideal)) / comm},
+               {"comm_over_compute", comm / sample_median(cseq)},
                {"losses_identical", m.losses_identical},
                {"trials", Json::array()}};
   for (const Trial& t : trials) {

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <exception>
+#include <string>
 
 #include "tools/bench/bench.h"
 
@@ -44,6 +45,12 @@ int main(int argc, char** argv) {
                       "micro-batches per step (default 6, 4 with --quick)");
   overlap->add_option("--trace", options.trace,
                       "write the Chrome trace of one overlapped step to this file");
+  std::string all_json;
+  CLI::App* all = app.add_subcommand(
+      "all",
+      "the --quick run of every sub-benchmark above, in this process, as one JSON document "
+      "(progress on stderr)");
+  all->add_option("--json", all_json, "write the JSON document to this file (default: stdout)");
   for (CLI::App* sub : {autograd, comm, dtensor, cp, overlap}) {
     sub->add_flag("--json", options.json, "print one JSON object instead of the table");
     sub->add_flag("--quick", options.quick, "fewer, shorter trials (a smoke run)");
@@ -59,6 +66,7 @@ int main(int argc, char** argv) {
     if (*dtensor) return tandem::bench::run_dtensor(options);
     if (*cp) return tandem::bench::run_cp(options);
     if (*overlap) return tandem::bench::run_overlap(options);
+    if (*all) return tandem::bench::run_all(all_json);
   } catch (const std::exception& e) {
     fmt::print(stderr, "tandem-bench: error: {}\n", e.what());
     return 1;

@@ -1,7 +1,7 @@
 #include "tools/train/options.h"
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include "runtime/error.h"
 
@@ -55,16 +55,24 @@ Command parse_command_line(const std::vector<std::string>& args) {
                "dual-pipe schedule: backward of micro-batch i with forward of i+1 (default on)")
       ->group(layout);
 
-  app.add_option("--d-model", o.model.d_model, "model width")->check(CLI::Range(1, 1 << 16))->group(model);
-  app.add_option("--layers", o.model.layers, "transformer blocks")->check(CLI::Range(1, 1024))->group(model);
-  app.add_option("--heads", o.model.heads, "attention heads")->check(CLI::Range(1, 1024))->group(model);
+  app.add_option("--d-model", o.model.d_model, "model width")
+      ->check(CLI::Range(1, 1 << 16))
+      ->group(model);
+  app.add_option("--layers", o.model.layers, "transformer blocks")
+      ->check(CLI::Range(1, 1024))
+      ->group(model);
+  app.add_option("--heads", o.model.heads, "attention heads")
+      ->check(CLI::Range(1, 1024))
+      ->group(model);
   app.add_option("--hidden", o.model.hidden, "SwiGLU hidden size per expert")
       ->check(CLI::Range(1, 1 << 20))
       ->group(model);
   app.add_option("--experts", o.model.experts, "experts per MoE layer")
       ->check(CLI::Range(1, 4096))
       ->group(model);
-  app.add_option("--top-k", o.model.top_k, "experts per token")->check(CLI::Range(1, 4096))->group(model);
+  app.add_option("--top-k", o.model.top_k, "experts per token")
+      ->check(CLI::Range(1, 4096))
+      ->group(model);
   app.add_option("--pairs", o.recall.pairs, "recall task: key/value pairs per sequence")
       ->check(CLI::Range(1, 1 << 16))
       ->group(model);
@@ -83,15 +91,21 @@ Command parse_command_line(const std::vector<std::string>& args) {
       ->check(CLI::Range(2, 1 << 20))
       ->group(model);
 
-  app.add_option("--steps", o.steps, "optimizer steps")->check(CLI::Range(1, 1 << 30))->group(optim);
+  app.add_option("--steps", o.steps, "optimizer steps")
+      ->check(CLI::Range(1, 1 << 30))
+      ->group(optim);
   app.add_option("--batch", o.batch, "sequences per micro-batch per data rank")
       ->check(CLI::Range(1, 1 << 20))
       ->group(optim);
-  app.add_option("--lr", o.lr, "peak learning rate (AdamW)")->check(CLI::PositiveNumber)->group(optim);
+  app.add_option("--lr", o.lr, "peak learning rate (AdamW)")
+      ->check(CLI::PositiveNumber)
+      ->group(optim);
   app.add_option("--min-lr", o.min_lr, "final learning rate of the cosine schedule")
       ->check(CLI::NonNegativeNumber)
       ->group(optim);
-  app.add_option("--warmup", o.warmup, "warm-up steps")->check(CLI::NonNegativeNumber)->group(optim);
+  app.add_option("--warmup", o.warmup, "warm-up steps")
+      ->check(CLI::NonNegativeNumber)
+      ->group(optim);
   app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay")
       ->check(CLI::NonNegativeNumber)
       ->group(optim);
@@ -111,19 +125,27 @@ Command parse_command_line(const std::vector<std::string>& args) {
   app.add_option("--save-every", o.save_every, "save every N steps (and at the end)")
       ->check(CLI::NonNegativeNumber)
       ->group(ckpt);
-  app.add_option("--keep", o.keep, "complete checkpoints to keep")->check(CLI::Range(1, 1 << 20))->group(ckpt);
+  app.add_option("--keep", o.keep, "complete checkpoints to keep")
+      ->check(CLI::Range(1, 1 << 20))
+      ->group(ckpt);
   app.add_option("--resume", o.resume, "continue from a checkpoint (root or step directory)")
       ->group(ckpt);
 
   app.add_option("--trace", o.trace, "write a Chrome trace of a few steps (view: tandem-trace)")
       ->group(output);
-  app.add_option("--trace-steps", o.trace_steps, "steps to trace")->check(CLI::Range(1, 1 << 20))->group(output);
+  app.add_option("--trace-steps", o.trace_steps, "steps to trace")
+      ->check(CLI::Range(1, 1 << 20))
+      ->group(output);
   app.add_option("--log-every", o.log_every, "a permanent progress line every N steps")
       ->check(CLI::Range(1, 1 << 30))
       ->group(output);
   app.add_option("--progress", o.progress,
                  "auto (in-place line on a terminal), line, plain or quiet")
       ->check(CLI::IsMember({"auto", "line", "plain", "quiet"}))
+      ->group(output);
+
+  app.add_option("--inject-fault", o.fault,
+                 "testing: RANK:STEP:KIND with KIND forward|backward|step-end|exit|hang")
       ->group(output);
 
   CLI::App* exp = app.add_subcommand(

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "autograd/node.h"
 #include "autograd/ops.h"
@@ -24,6 +25,7 @@
 #include "parallel/placement.h"
 #include "parallel/tensor_parallel.h"
 #include "runtime/allocator.h"
+#include "runtime/config.h"
 #include "runtime/error.h"
 #include "runtime/hook_coordinator.h"
 #include "runtime/trace.h"
@@ -89,10 +91,11 @@ std::string layout_string(const TrainOptions& o, int world) {
                                            : std::string(),
                      o.load_balance ? ", load-balanced" : "");
   }
-  return fmt::format("{} ranks, {} backend, {}: dp {} x ep {} x cp {}{} x tp {}; {} micro-batches, "
-                     "{}",
-                     world, o.backend, o.device, o.dp, o.ep, o.cp, cp, o.tp, o.micro_batches,
-                     o.overlap ? "dual-pipe overlap" : "sequential schedule");
+  return fmt::format(
+      "{} ranks, {} backend, {}: dp {} x ep {} x cp {}{} x tp {}; {} micro-batches, "
+      "{}",
+      world, o.backend, o.device, o.dp, o.ep, o.cp, cp, o.tp, o.micro_batches,
+      o.overlap ? "dual-pipe overlap" : "sequential schedule");
 }
 
 void build(Rank& r) {
@@ -128,7 +131,9 @@ void build(Rank& r) {
   if (o.cp > 1) {
     ContextParallel cp;
     cp.load_balance = o.load_balance;
-    cp.ulysses_degree = o.cp_mode == "ulysses" ? o.cp : o.cp_mode == "hybrid" ? o.ulysses_degree : 1;
+    cp.ulysses_degree = o.cp_mode == "ulysses"  ? o.cp
+                        : o.cp_mode == "hybrid" ? o.ulysses_degree
+                                                : 1;
     if (o.cp_mode == "ring") cp.mode = CPMode::Ring;
     const DeviceMesh cp_mesh = r.mesh.slice("cp");
     for (int64_t i = 0; i < r.model->config().layers; ++i)
@@ -137,7 +142,11 @@ void build(Rank& r) {
   r.coordinator = std::make_shared<HookCoordinator>();
   r.moe_layers = install_dual_pipe(r.model, r.mesh.slice("ep"), r.coordinator);
   r.schedule = std::make_unique<DualPipeSchedule>(r.coordinator, r.device);
-  r.schedule->abort_on_failure({r.world});
+  // A failure on either worker aborts every group this rank's peers may be
+  // waiting in, so they stop at once with an error naming this rank.
+  r.schedule->abort_on_failure({r.world, r.mesh.get_group("dp"), r.mesh.get_group("ep"),
+                                r.mesh.get_group("cp"), r.mesh.get_group("tp"), r.data_group,
+                                r.expert_group, r.model_group});
 
   optim::NamedParams named;
   for (auto& [name, p] : r.model->named_parameters()) {
@@ -190,7 +199,8 @@ double clip_gradients(Rank& r) {
   }
   double total = local;
   if (r.model_group->size() > 1) {
-    WorkPtr w = r.model_group->all_reduce(ops::scalar_tensor(local, DType::F64), {RedOp::Sum, "grad norm"});
+    WorkPtr w =
+        r.model_group->all_reduce(ops::scalar_tensor(local, DType::F64), {RedOp::Sum, "grad norm"});
     w->wait();
     total = w->result().item_double();
   }
@@ -211,13 +221,31 @@ int64_t resident_set_bytes() {
   return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
+// Note [Injected faults]: fires when this rank reaches `kind` at the step.
+void maybe_fault(const Rank& r, const Fault& f, int64_t step, const char* kind) {
+  if (f.rank != r.world->rank() || f.step != step || f.kind != kind) return;
+  const std::string what =
+      fmt::format("injected fault '{}' on rank {} at step {}", f.kind, f.rank, f.step);
+  if (f.kind == "exit") {
+    std::fprintf(stderr, "tandem-train: %s: the process exits now\n", what.c_str());
+    std::fflush(stderr);
+    std::_Exit(3);
+  }
+  if (f.kind == "hang") {
+    std::this_thread::sleep_for(2 * wait_timeout());
+    return;
+  }
+  TANDEM_FAIL("[train] {}", what);
+}
+
 struct MicroStats {
   double ce_sum = 0;
   double correct = 0;
   double scored = 0;
 };
 
-StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule) {
+StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
+                   const Fault& fault) {
   const TrainOptions& o = r.options;
   const Clock::time_point start = Clock::now();
   const int64_t wait_before = comm_wait_ns();
@@ -230,11 +258,16 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule)
   const double replicas = static_cast<double>(o.dp * o.ep * o.cp);
   std::vector<MicroStats> stats(static_cast<size_t>(o.micro_batches));
   Tensor positions_full = ops::reshape(ops::arange(0, static_cast<double>(S)), Shape{1, S});
-  Tensor positions = ops::reshape(
-      shard_sequence(positions_full, 1, o.cp, r.cp_rank, o.load_balance), Shape{-1});
+  Tensor positions =
+      ops::reshape(shard_sequence(positions_full, 1, o.cp, r.cp_rank, o.load_balance), Shape{-1});
   if (!r.device.is_cpu()) positions = ops::to(positions, r.device);
 
   auto forward = [&](int i) {
+    if (i == 1) {
+      maybe_fault(r, fault, step, "forward");
+      maybe_fault(r, fault, step, "exit");
+      maybe_fault(r, fault, step, "hang");
+    }
     Batch b = r.task.sample(o.seed, step, i, r.data_rank(), o.batch);
     Tensor tokens = shard_sequence(b.tokens, 1, o.cp, r.cp_rank, o.load_balance);
     Tensor targets = shard_sequence(b.targets, 1, o.cp, r.cp_rank, o.load_balance);
@@ -267,9 +300,17 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule)
       ce_sum = mul(sum(flat_logits), 0.0);
     }
     Tensor loss = add(div(ce_sum, scored_global), mul(out[1], o.aux_weight / replicas));
-    return div(loss, static_cast<double>(o.micro_batches));
+    loss = div(loss, static_cast<double>(o.micro_batches));
+    if (i == 0 && fault.kind == "backward") {
+      register_hook(loss, [&r, &fault, step](const Tensor& g) {
+        maybe_fault(r, fault, step, "backward");
+        return g;
+      });
+    }
+    return loss;
   };
   r.schedule->run(o.micro_batches, forward, o.overlap, r.moe_layers);
+  maybe_fault(r, fault, step, "step-end");
 
   std::vector<Param*> dense, experts;
   for (Param& p : r.params)
@@ -286,8 +327,8 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule)
     total.correct += s.correct;
     total.scored += s.scored;
   }
-  Tensor metrics = ops::from_vector(std::vector<double>{total.ce_sum, total.correct, total.scored},
-                                    Shape{3});
+  Tensor metrics =
+      ops::from_vector(std::vector<double>{total.ce_sum, total.correct, total.scored}, Shape{3});
   if (r.data_group->size() > 1) {
     WorkPtr w = r.data_group->all_reduce(metrics, {RedOp::Sum, "metrics"});
     w->wait();
@@ -376,14 +417,10 @@ int64_t resume(Rank& r) {
                "metadata",
                info.path);
   Json saved = Json::parse(model_it->second);
-  Json wanted = {{"vocab", r.model->config().vocab},
-                 {"d_model", o.model.d_model},
-                 {"layers", o.model.layers},
-                 {"heads", o.model.heads},
-                 {"hidden", o.model.hidden},
-                 {"experts", o.model.experts},
-                 {"top_k", o.model.top_k},
-                 {"max_seq", r.model->config().max_seq}};
+  Json wanted = {{"vocab", r.model->config().vocab}, {"d_model", o.model.d_model},
+                 {"layers", o.model.layers},         {"heads", o.model.heads},
+                 {"hidden", o.model.hidden},         {"experts", o.model.experts},
+                 {"top_k", o.model.top_k},           {"max_seq", r.model->config().max_seq}};
   TANDEM_CHECK(saved == wanted,
                "[train] the checkpoint '{}' holds a different model: expected {}, got {}",
                info.path, wanted.dump(), saved.dump());
@@ -461,17 +498,19 @@ void run_rank(const TrainOptions& o, const Task& task, ProcessGroupPtr world, st
     if (progress) progress->message(fmt::format("  resumed from '{}' at step {}", o.resume, first));
   }
   result.first_step = first;
+  const Fault fault = parse_fault(o.fault);
   const optim::CosineSchedule schedule(o.lr, std::min(o.warmup, o.steps), o.steps, o.min_lr);
   const int64_t trace_first = std::min<int64_t>(first + 1, o.steps - 1);
   for (int64_t step = first; step < o.steps; ++step) {
-    const bool tracing = !o.trace.empty() && step >= trace_first && step < trace_first + o.trace_steps;
+    const bool tracing =
+        !o.trace.empty() && step >= trace_first && step < trace_first + o.trace_steps;
     if (tracing && step == trace_first) {
       r.world->barrier({"trace start"})->synchronize();
       if (r.root() || o.backend != "threads") trace_start();
       r.world->barrier({"trace started"})->synchronize();
     }
     if (r.root()) reset_peak_memory(r.device);
-    StepStats s = run_step(r, step, schedule);
+    StepStats s = run_step(r, step, schedule, fault);
     const bool last = step + 1 == o.steps;
     const bool stop = o.stop_accuracy > 0 && s.accuracy >= o.stop_accuracy &&
                       ((step + 1) % std::max<int64_t>(o.log_every, 1) == 0 || last);
@@ -479,8 +518,9 @@ void run_rank(const TrainOptions& o, const Task& task, ProcessGroupPtr world, st
       r.world->barrier({"trace stop"})->synchronize();
       if (r.root() || o.backend != "threads") trace_stop();
       write_trace(r, o.trace);
-      if (progress) progress->message(fmt::format("  trace of {} step(s) written to '{}'",
-                                                  step + 1 - trace_first, o.trace));
+      if (progress)
+        progress->message(
+            fmt::format("  trace of {} step(s) written to '{}'", step + 1 - trace_first, o.trace));
     }
     if (r.root()) {
       result.steps.push_back(s);
@@ -490,12 +530,13 @@ void run_rank(const TrainOptions& o, const Task& task, ProcessGroupPtr world, st
                           ((o.save_every > 0 && (step + 1) % o.save_every == 0) || last || stop);
     if (save_now) {
       save(r, step + 1);
-      if (progress) progress->message(fmt::format("  checkpoint of step {} saved in '{}'",
-                                                  step + 1, o.save_dir));
+      if (progress)
+        progress->message(
+            fmt::format("  checkpoint of step {} saved in '{}'", step + 1, o.save_dir));
     }
     if (stop) {
-      if (progress) progress->message(fmt::format("  reached {:.1f}% accuracy: stopping",
-                                                  100.0 * s.accuracy));
+      if (progress)
+        progress->message(fmt::format("  reached {:.1f}% accuracy: stopping", 100.0 * s.accuracy));
       break;
     }
   }
@@ -503,12 +544,41 @@ void run_rank(const TrainOptions& o, const Task& task, ProcessGroupPtr world, st
 
 }  // namespace
 
+Fault parse_fault(const std::string& spec) {
+  Fault f;
+  if (spec.empty()) return f;
+  const size_t a = spec.find(':'), b = spec.find(':', a == std::string::npos ? a : a + 1);
+  bool ok = a != std::string::npos && b != std::string::npos;
+  if (ok) {
+    try {
+      size_t used = 0;
+      f.rank = std::stoi(spec.substr(0, a), &used);
+      ok = used == a;
+      f.step = std::stoll(spec.substr(a + 1, b - a - 1), &used);
+      ok = ok && used == b - a - 1;
+    } catch (const std::exception&) {
+      ok = false;
+    }
+    f.kind = spec.substr(b + 1);
+  }
+  ok = ok && f.rank >= 0 && f.step >= 0;
+  TANDEM_CHECK(ok && (f.kind == "forward" || f.kind == "backward" || f.kind == "step-end" ||
+                      f.kind == "exit" || f.kind == "hang"),
+               "[train] expected --inject-fault RANK:STEP:KIND with KIND forward|backward|step-end|"
+               "exit|hang, got '{}'",
+               spec);
+  return f;
+}
+
 std::unique_ptr<Task> make_task(const TrainOptions& o) {
   if (!o.data.empty()) return std::make_unique<TextTask>(o.data, o.seq_len);
   return std::make_unique<RecallTask>(o.recall);
 }
 
 void validate(const TrainOptions& o, int world_size) {
+  const Fault fault = parse_fault(o.fault);
+  TANDEM_CHECK(fault.rank < world_size, "[train] --inject-fault names rank {} of a world of {}",
+               fault.rank, world_size);
   TANDEM_CHECK(o.dp >= 1 && o.ep >= 1 && o.cp >= 1 && o.tp >= 1,
                "[train] expected --dp, --ep, --cp and --tp >= 1, got {}, {}, {}, {}", o.dp, o.ep,
                o.cp, o.tp);
@@ -559,19 +629,23 @@ void validate(const TrainOptions& o, int world_size) {
                "[train] --overlap pairs the backward of one micro-batch with the forward of the "
                "next: expected --micro-batches >= 2, got {}",
                o.micro_batches);
-  TANDEM_CHECK(o.steps >= 1 && o.batch >= 1, "[train] expected --steps and --batch >= 1, got {} "
-               "and {}", o.steps, o.batch);
+  TANDEM_CHECK(o.steps >= 1 && o.batch >= 1,
+               "[train] expected --steps and --batch >= 1, got {} "
+               "and {}",
+               o.steps, o.batch);
   TANDEM_CHECK(o.lr > 0 && o.min_lr >= 0 && o.warmup >= 0 && o.weight_decay >= 0 && o.clip >= 0,
                "[train] expected --lr > 0 and non-negative --min-lr, --warmup, --weight-decay, "
                "--clip");
   TANDEM_CHECK(o.save_every >= 0 && o.keep >= 1,
                "[train] expected --save-every >= 0 and --keep >= 1, got {} and {}", o.save_every,
                o.keep);
-  TANDEM_CHECK(o.save_every == 0 || !o.save_dir.empty(),
-               "[train] --save-every {} needs --save DIR", o.save_every);
+  TANDEM_CHECK(o.save_every == 0 || !o.save_dir.empty(), "[train] --save-every {} needs --save DIR",
+               o.save_every);
   TANDEM_CHECK(o.trace_steps >= 1, "[train] expected --trace-steps >= 1, got {}", o.trace_steps);
-  TANDEM_CHECK(o.device == "cpu" || o.device == "cuda", "[train] expected --device cpu|cuda, got "
-               "'{}'", o.device);
+  TANDEM_CHECK(o.device == "cpu" || o.device == "cuda",
+               "[train] expected --device cpu|cuda, got "
+               "'{}'",
+               o.device);
   TANDEM_CHECK(o.device == "cpu" || o.backend == "nccl",
                "[train] --device cuda runs with --backend nccl, got --backend {}", o.backend);
 }
@@ -582,8 +656,8 @@ TrainResult run_training(const TrainOptions& options, std::FILE* out) {
   result.task = task->describe();
   if (!options.resume.empty()) find_checkpoint(options.resume);  // fail early
   if (options.backend == "threads") {
-    const int world = options.ranks > 0 ? options.ranks
-                                        : options.dp * options.ep * options.cp * options.tp;
+    const int world =
+        options.ranks > 0 ? options.ranks : options.dp * options.ep * options.cp * options.tp;
     validate(options, world);
     result.layout = layout_string(options, world);
     run_ranks(world, [&](ProcessGroupPtr pg) { run_rank(options, *task, pg, out, result); });

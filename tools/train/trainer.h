@@ -58,9 +58,9 @@ struct TrainOptions {
   int micro_batches = 2;
   bool overlap = true;  // the dual-pipe schedule
   // model and task
-  ModelConfig model;   // vocab and max_seq come from the task
+  ModelConfig model;  // vocab and max_seq come from the task
   RecallConfig recall;
-  std::string data;     // a text file: byte-level model instead of recall
+  std::string data;       // a text file: byte-level model instead of recall
   int64_t seq_len = 128;  // with --data
   // optimisation
   int64_t steps = 300;
@@ -83,7 +83,30 @@ struct TrainOptions {
   int64_t log_every = 10;
   std::string progress = "auto";  // auto | line | plain | quiet
   double stop_accuracy = 0;       // > 0: stop once the logged accuracy reaches it
+  // Fault injection (Note [Injected faults]): "RANK:STEP:KIND", empty = none.
+  std::string fault;
 };
+
+// Note [Injected faults]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// --inject-fault RANK:STEP:KIND makes world rank RANK fail at 0-based step
+// STEP, to show (and test) what every failure looks like to the user:
+//   forward    throws as micro-batch 1's forward begins (peers are inside, or
+//              about to enter, the collectives of their forwards)
+//   backward   throws inside micro-batch 0's backward (on the backward worker)
+//   step-end   throws after the schedule, before the gradient reduction
+//   exit       the process dies on the spot (_Exit(3)): a crashed rank
+//   hang       stops for 2 × the wait timeout at the forward, then goes on:
+//              a rank that never arrives, as far as its peers can tell
+// Every kind must end the job with a clear error on every rank within the
+// wait deadline (TANDEM_WAIT_TIMEOUT_S), and leave earlier checkpoints intact.
+struct Fault {
+  int rank = -1;
+  int64_t step = -1;
+  std::string kind;
+};
+// Parses --inject-fault; throws naming the expected form.
+Fault parse_fault(const std::string& spec);
 
 // What one step measured, as rank 0 reports it (already reduced over ranks).
 struct StepStats {
@@ -94,10 +117,10 @@ struct StepStats {
   double grad_norm = 0;
   double seconds = 0;
   double tokens_per_second = 0;
-  double comm_wait = 0;  // fraction of the step the ranks' threads waited for comm
-  int64_t peak_bytes = 0;       // allocator peak during the step (process-wide)
-  int64_t reserved_bytes = 0;   // allocator cache after the step (process-wide)
-  int64_t resident_bytes = 0;   // the process's resident set after the step
+  double comm_wait = 0;        // fraction of the step the ranks' threads waited for comm
+  int64_t peak_bytes = 0;      // allocator peak during the step (process-wide)
+  int64_t reserved_bytes = 0;  // allocator cache after the step (process-wide)
+  int64_t resident_bytes = 0;  // the process's resident set after the step
 };
 
 struct TrainResult {
