@@ -48,12 +48,12 @@ Tensor whole_b() {
 std::vector<TensorPiece> pieces_for(int rank, int parts, int dim_a) {
   std::vector<TensorPiece> out;
   Tensor a = whole_a(), b = whole_b();
-  auto [a0, a1] = chunk_range(a.shape()[dim_a], parts, rank);
+  auto [a0, a_len] = chunk_range(a.shape()[dim_a], parts, rank);
   std::vector<int64_t> offs_a = {0, 0};
   offs_a[dim_a] = a0;
-  out.push_back({"a", ops::contiguous(ops::narrow(a, dim_a, a0, a1 - a0)), a.shape(), offs_a});
-  auto [b0, b1] = chunk_range(5, parts, rank);
-  out.push_back({"b", ops::contiguous(ops::narrow(b, 2, b0, b1 - b0)), b.shape(), {0, 0, b0}});
+  out.push_back({"a", ops::contiguous(ops::narrow(a, dim_a, a0, a_len)), a.shape(), offs_a});
+  auto [b0, b_len] = chunk_range(5, parts, rank);
+  out.push_back({"b", ops::contiguous(ops::narrow(b, 2, b0, b_len)), b.shape(), {0, 0, b0}});
   out.push_back({"c", ops::scalar_tensor(7.5, DType::F64), Shape{}, {}, rank == 0});
   return out;
 }
@@ -117,9 +117,9 @@ TEST_CASE("checkpoint consolidates into whole tensors that reload", "[checkpoint
 
 TEST_CASE("checkpoint errors name what is wrong", "[checkpoint]") {
   TempDir dir;
-  CHECK_THROWS_WITH(find_checkpoint((dir.path / "nope").string()),
-                    Catch::Contains("expected a checkpoint directory") &&
-                        Catch::Contains("got nothing"));
+  CHECK_THROWS_WITH(
+      find_checkpoint((dir.path / "nope").string()),
+      Catch::Contains("expected a checkpoint directory") && Catch::Contains("got nothing"));
   CHECK_THROWS_WITH(find_checkpoint(dir.path.string()),
                     Catch::Contains("checkpoint.json") && Catch::Contains("'latest'"));
   save_layout(dir.path, 2, 2, 0);

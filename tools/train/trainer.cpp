@@ -579,6 +579,9 @@ void validate(const TrainOptions& o, int world_size) {
   const Fault fault = parse_fault(o.fault);
   TANDEM_CHECK(fault.rank < world_size, "[train] --inject-fault names rank {} of a world of {}",
                fault.rank, world_size);
+  TANDEM_CHECK(fault.kind != "hang" || o.backend != "threads",
+               "[train] --inject-fault ...:hang needs one process per rank (mpirun): rank threads "
+               "share one process, which cannot leave a thread behind");
   TANDEM_CHECK(o.dp >= 1 && o.ep >= 1 && o.cp >= 1 && o.tp >= 1,
                "[train] expected --dp, --ep, --cp and --tp >= 1, got {}, {}, {}, {}", o.dp, o.ep,
                o.cp, o.tp);

@@ -98,6 +98,8 @@ struct TrainOptions {
 //   exit       the process dies on the spot (_Exit(3)): a crashed rank
 //   hang       stops for 2 × the wait timeout at the forward, then goes on:
 //              a rank that never arrives, as far as its peers can tell
+//              (mpi/nccl only: its process is ended by mpirun once the
+//              peers have failed; rank threads cannot be abandoned)
 // Every kind must end the job with a clear error on every rank within the
 // wait deadline (TANDEM_WAIT_TIMEOUT_S), and leave earlier checkpoints intact.
 struct Fault {
