@@ -44,6 +44,16 @@ int64_t comm_wait_ns() {
   return g_comm_wait_ns.load(std::memory_order_relaxed);
 }
 
+CommWaitScope::CommWaitScope()
+    : span_("wait", "comm wait"), start_(std::chrono::steady_clock::now()) {}
+
+CommWaitScope::~CommWaitScope() {
+  g_comm_wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::steady_clock::now() - start_)
+                               .count(),
+                           std::memory_order_relaxed);
+}
+
 bool Work::wait_finished(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   if (completed_) return true;

@@ -23,6 +23,7 @@
 
 #include "runtime/error.h"
 #include "runtime/stream.h"
+#include "runtime/trace.h"
 #include "tensor/tensor.h"
 
 namespace tandem {
@@ -82,6 +83,22 @@ using WorkPtr = std::shared_ptr<Work>;
 // collectives to complete, summed over threads: a cheap "exposed
 // communication" meter (tandem-train's progress line reads its deltas).
 int64_t comm_wait_ns();
+
+// A host wait of a Work whose waiting thread drives the collective itself
+// (threads and MPI backends: Note [Threads rounds], Note [MPI progress]),
+// counted as Work::wait_finished() counts its own: in comm_wait_ns() and as
+// a "comm wait" trace span.
+class CommWaitScope {
+ public:
+  CommWaitScope();
+  ~CommWaitScope();
+  CommWaitScope(const CommWaitScope&) = delete;
+  CommWaitScope& operator=(const CommWaitScope&) = delete;
+
+ private:
+  TraceSpan span_;
+  std::chrono::steady_clock::time_point start_;
+};
 
 // A Work that is already complete (world size 1, empty collectives).
 WorkPtr completed_work(std::string description, std::vector<Tensor> outputs);

@@ -36,6 +36,39 @@ MPI_Comm take(std::future<MPI_Comm>& result, const std::string& what) {
   return result.get();
 }
 
+// The Work of a collective of this backend: a thread that waits on it runs
+// the executor's passes itself (Note [MPI progress]).
+class MpiWork final : public Work {
+ public:
+  MpiWork(std::string description, std::shared_ptr<Executor> executor)
+      : Work(std::move(description)),
+        executor_(std::move(executor)),
+        launched_(std::chrono::steady_clock::now()) {}
+
+  void synchronize() override {
+    if (!executor_->on_executor_thread()) {
+      if (!waited_.exchange(true)) executor_->waited(launched_);
+      // Bounded like Work::synchronize(), which reports the timeout.
+      if (!Work::is_completed()) {
+        CommWaitScope waiting;
+        executor_->drive([this] { return Work::is_completed(); },
+                         std::chrono::steady_clock::now() + wait_timeout());
+      }
+    }
+    Work::synchronize();
+  }
+
+  bool is_completed() override {
+    if (!Work::is_completed() && !executor_->on_executor_thread()) executor_->try_pass();
+    return Work::is_completed();
+  }
+
+ private:
+  std::shared_ptr<Executor> executor_;
+  std::chrono::steady_clock::time_point launched_;  // about when the task was submitted
+  std::atomic<bool> waited_{false};
+};
+
 }  // namespace
 
 MpiProcessGroup::MpiProcessGroup(std::shared_ptr<Executor> executor, MPI_Comm comm, int rank,
@@ -67,8 +100,14 @@ void MpiProcessGroup::launch(Collective& c) {
         where(), c.entry.seq, name, *reason))));
     return;
   }
-  // The front end no longer uses `c` once launch() returns.
-  executor_->submit(channel_, collective_task(self(), std::move(c)));
+  // The front end no longer uses `c` once launch() returns. An MpiWork's
+  // waiter drives the task (a wrapper's Work has no such waiter).
+  const bool driven = dynamic_cast<MpiWork*>(c.work.get()) != nullptr;
+  executor_->submit(channel_, collective_task(self(), std::move(c)), driven);
+}
+
+WorkPtr MpiProcessGroup::make_work(std::string description) {
+  return std::make_shared<MpiWork>(std::move(description), executor_);
 }
 
 WorkPtr MpiProcessGroup::check_entry(const LedgerEntry& entry) {

@@ -11,13 +11,17 @@
 namespace tandem::mpi {
 namespace {
 
-// Polling: when a pass over the channels moved nothing, the executor sleeps,
-// doubling the pause up to kMaxIdle (50 µs: at 1 ms the polling granularity
-// alone cost 10× on a 1 MiB collective), so a long collective costs little CPU on
-// oversubscribed machines while a quick one still completes in microseconds.
+// Idle passes of the executor thread (Note [MPI progress]): when a pass
+// moved nothing, it sleeps, doubling the pause up to kMaxIdle, so a long
+// collective overlapped with compute costs little CPU on oversubscribed
+// machines. A waiting thread never sleeps between its passes.
 constexpr std::chrono::microseconds kMinIdle{5};
 constexpr std::chrono::microseconds kMaxIdle{50};
 constexpr std::chrono::milliseconds kOrphanPoll{5};
+// Note [Lazy executor wake-ups] (mpi_executor.h).
+constexpr std::chrono::microseconds kSyncWindow{200};
+constexpr std::chrono::milliseconds kLazyCheck{1};
+constexpr std::chrono::milliseconds kLazyWindow{100};
 
 const char* thread_level_name(int level) {
   switch (level) {
@@ -57,12 +61,12 @@ Executor::~Executor() {
   stop();
 }
 
-void Executor::submit(std::shared_ptr<Channel> channel, std::unique_ptr<Task> task) {
+void Executor::submit(std::shared_ptr<Channel> channel, std::unique_ptr<Task> task,
+                      bool waited_soon) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stopping_) {
-      inbox_.push_back(Item{std::move(channel), std::move(task), MPI_COMM_NULL});
-      cv_.notify_one();
+      enqueue(Item{std::move(channel), std::move(task), MPI_COMM_NULL}, waited_soon);
       return;
     }
   }
@@ -72,11 +76,22 @@ void Executor::submit(std::shared_ptr<Channel> channel, std::unique_ptr<Task> ta
       task->label()))));
 }
 
+void Executor::enqueue(Item item, bool waited_soon) {
+  const auto now = std::chrono::steady_clock::now();
+  if (inbox_.empty()) inbox_since_ = now;
+  inbox_.push_back(std::move(item));
+  if (!waited_soon) ++eager_items_;
+  last_submit_ = now;
+  // A driver takes it in its next pass; the executor thread sleeps while one
+  // drives, and is not woken for a launch expected to be waited right away
+  // unless it sleeps until woken (Note [Lazy executor wake-ups]).
+  if (drivers_ == 0 && (!waited_soon || !lazy_ || deep_idle_)) cv_.notify_one();
+}
+
 void Executor::release(MPI_Comm comm) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) return;  // MPI_Finalize reclaims it
-  inbox_.push_back(Item{nullptr, nullptr, comm});
-  cv_.notify_one();
+  enqueue(Item{nullptr, nullptr, comm}, false);
 }
 
 void Executor::adopt(Orphan orphan) {
@@ -91,6 +106,8 @@ void Executor::stop() noexcept {
     cv_.notify_all();
   }
   if (thread_.joinable() && !on_executor_thread()) thread_.join();
+  // A driver may be in a pass: no MPI call starts after this.
+  std::lock_guard<std::mutex> progress(progress_mu_);
   std::lock_guard<std::mutex> lock(mu_);
   stopped_ = true;
 }
@@ -113,30 +130,119 @@ void Executor::take(std::vector<Item>& items) {
   items.clear();
 }
 
+bool Executor::in_pass() const {
+  return pass_thread_.load() == std::this_thread::get_id();
+}
+
+bool Executor::pass() {
+  pass_thread_.store(std::this_thread::get_id());
+  struct Leave {
+    std::atomic<std::thread::id>& owner;
+    ~Leave() { owner.store(std::thread::id()); }
+  } leave{pass_thread_};
+  bool arrived = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return false;
+    taken_.swap(inbox_);
+    eager_items_ = 0;
+    arrived = !taken_.empty();
+  }
+  take(taken_);
+  bool moved = progress_channels();
+  progress_orphans();
+  std::lock_guard<std::mutex> lock(mu_);
+  has_tasks_ = !active_.empty();
+  has_orphans_ = !orphans_.empty();
+  return moved || arrived;
+}
+
+void Executor::try_pass() {
+  if (in_pass()) return;
+  std::unique_lock<std::mutex> progress(progress_mu_, std::try_to_lock);
+  if (progress.owns_lock()) pass();
+}
+
+void Executor::waited(std::chrono::steady_clock::time_point launched) {
+  const bool soon = std::chrono::steady_clock::now() - launched < kSyncWindow;
+  std::lock_guard<std::mutex> lock(mu_);
+  lazy_ = soon;
+}
+
+void Executor::drive(const std::function<bool()>& done,
+                     std::chrono::steady_clock::time_point deadline) {
+  if (in_pass()) return;  // a callback inside a pass: the caller waits instead
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;  // the executor thread drains what is queued
+    ++drivers_;
+  }
+  while (!done() && std::chrono::steady_clock::now() < deadline) {
+    // Another driver, or the executor thread finishing its pass, may hold
+    // the lock: then this thread yields. A pass needs no yield of its own:
+    // when nothing moved, MPI's progress engine yields (Open MPI does when
+    // the node is oversubscribed), as in MPI_Wait.
+    std::unique_lock<std::mutex> progress(progress_mu_, std::try_to_lock);
+    if (progress.owns_lock()) {
+      pass();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--drivers_ == 0 && (has_tasks_ || !inbox_.empty()))
+    cv_.notify_one();  // the executor thread takes over
+}
+
 void Executor::loop() {
   set_thread_name("comm mpi");
   set_log_context(LogContext{world_rank_, world_size_});
-  std::vector<Item> items;
   auto idle = kMinIdle;
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      if (inbox_.empty() && active_.empty()) {
-        if (stopping_) break;
-        if (orphans_.empty()) {
-          cv_.wait(lock, [&] { return stopping_ || !inbox_.empty(); });
+      // Sleeps while a waiting thread runs the passes (Note [MPI progress])
+      // or there is nothing to do (Note [Lazy executor wake-ups]).
+      auto ready = [&] {
+        return stopping_ ||
+               (drivers_ == 0 && (has_tasks_ || (!inbox_.empty() && (!lazy_ || eager_items_ > 0))));
+      };
+      while (!ready()) {
+        idle = kMinIdle;
+        const auto now = std::chrono::steady_clock::now();
+        if (!inbox_.empty() && drivers_ == 0) {
+          // Launches expected to be waited right away: their waiters take them.
+          if (now - inbox_since_ >= kLazyCheck) {
+            lazy_ = false;  // one was not: launches wake this thread again
+            break;
+          }
+          cv_.wait_until(lock, inbox_since_ + kLazyCheck, ready);
+        } else if (has_orphans_) {
+          if (!cv_.wait_for(lock, kOrphanPoll, ready)) break;  // poll them
+        } else if (drivers_ > 0 || (lazy_ && now - last_submit_ < kLazyWindow)) {
+          // Drivers take new tasks, and lazy launches do not wake this
+          // thread: it looks now and then.
+          cv_.wait_for(lock, kLazyCheck,
+                       [&] { return ready() || (!inbox_.empty() && drivers_ == 0); });
         } else {
-          cv_.wait_for(lock, kOrphanPoll, [&] { return stopping_ || !inbox_.empty(); });
+          deep_idle_ = true;  // every launch wakes this thread
+          cv_.wait(lock, [&] { return ready() || !inbox_.empty(); });
+          deep_idle_ = false;
         }
       }
-      items.swap(inbox_);
+      if (stopping_ && inbox_.empty() && !has_tasks_) break;
+      if (!stopping_ && drivers_ > 0) continue;
     }
-    take(items);
-    bool moved = progress_channels();
-    progress_orphans();
+    bool moved = false, busy = false;
+    {
+      std::lock_guard<std::mutex> progress(progress_mu_);
+      moved = pass();
+      std::lock_guard<std::mutex> lock(mu_);
+      busy = has_tasks_;
+    }
     if (moved) {
       idle = kMinIdle;
-    } else if (!active_.empty()) {
+    } else if (busy) {
       std::this_thread::sleep_for(idle);
       idle = std::min(idle * 2, kMaxIdle);
     }

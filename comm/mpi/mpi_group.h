@@ -33,6 +33,8 @@ class MpiProcessGroup final : public ProcessGroup {
 
  protected:
   void launch(Collective& c) override;
+  // A Work whose waiters run the executor's passes (Note [MPI progress]).
+  WorkPtr make_work(std::string description) override;
   std::shared_ptr<ProcessGroup> make_subgroup(const std::vector<int>& ranks, int new_rank,
                                               const std::string& name) override;
 

@@ -26,13 +26,33 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // The checked-mode exchange: a fixed-size record per rank, then (only when
-// they disagree) a fixed-size description per rank.
+// they disagree) a fixed-size description per rank, or the split lists.
+//
+// An all_to_all also checks its split sizes in the same exchange: rank r
+// adds h(r, q, rows r sends q) over q to `sent` and h(s, r, rows r expects
+// from s) over s to `expected`; the sums over ranks agree exactly when every
+// sender and receiver agree (but for a 2^-64 chance). Only when they do not,
+// a second round gathers the lists to name the pair. So a checked all_to_all
+// costs one small collective before the data moves, like any other.
 struct Hello {
   uint64_t fingerprint;
   int32_t failed;  // 1 when this rank found an error before the collective
-  int32_t reserved;
+  // An all_to_all whose send and receive counts all equal this (else -1): when
+  // every rank's does, the task runs MPI_Ialltoall instead of MPI_Ialltoallv.
+  int32_t even;
+  uint64_t sent;  // all_to_all split sizes (above); 0 for other collectives
+  uint64_t expected;
 };
 constexpr size_t kDescBytes = 1024;
+
+// h(sender, receiver, rows) of the split check (splitmix64's finaliser).
+uint64_t split_term(int sender, int receiver, int64_t rows) {
+  uint64_t z = static_cast<uint64_t>(rows) * 0x9e3779b97f4a7c15ull ^
+               (static_cast<uint64_t>(sender) << 32 | static_cast<uint32_t>(receiver));
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
 
 // Everything pending requests may touch.
 struct Scratch {
@@ -40,7 +60,7 @@ struct Scratch {
   Hello hello{};
   std::vector<Hello> hellos;
   std::vector<char> desc, descs;
-  std::vector<int64_t> send_splits, recv_splits;
+  std::vector<int64_t> splits, all_splits;  // this rank's input then output splits; every rank's
   std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
 };
 
@@ -140,12 +160,23 @@ class StagedTask : public Task {
 
   // Checked-mode exchange of this task's entry. `local` is an error this rank
   // found before the collective (or null); it fails every rank, naming this
-  // one, instead of leaving the peers to time out. Runs `next` when all agree.
-  void handshake(std::exception_ptr local, std::function<void()> next) {
+  // one, instead of leaving the peers to time out. `splits`: an all_to_all's
+  // input then output split sizes, checked in the same exchange (Hello).
+  // Runs `next` when all agree.
+  void handshake(std::exception_ptr local, std::function<void()> next,
+                 const std::vector<int64_t>* splits = nullptr, int32_t even = -1) {
     local_ = local;
     Scratch& s = *scratch_;
-    s.hello = Hello{entry_.fingerprint(), local ? 1 : 0, 0};
-    s.hellos.assign(static_cast<size_t>(group_->size()), Hello{});
+    s.hello = Hello{entry_.fingerprint(), local ? 1 : 0, even, 0, 0};
+    const int n = group_->size(), me = group_->rank();
+    if (splits != nullptr) {
+      s.splits = *splits;
+      for (int q = 0; q < n; ++q) {
+        s.hello.sent += split_term(me, q, s.splits[q]);
+        s.hello.expected += split_term(q, me, s.splits[n + q]);
+      }
+    }
+    s.hellos.assign(static_cast<size_t>(n), Hello{});
     TANDEM_MPI_CHECK(MPI_Iallgather(&s.hello, sizeof(Hello), MPI_BYTE, s.hellos.data(),
                                     sizeof(Hello), MPI_BYTE, comm(), post()));
     then("the checked-mode fingerprint exchange", [this, next = std::move(next)] {
@@ -153,11 +184,23 @@ class StagedTask : public Task {
       bool agree = std::all_of(s.hellos.begin(), s.hellos.end(), [&](const Hello& h) {
         return h.fingerprint == s.hello.fingerprint && h.failed == 0;
       });
-      if (agree) {
-        next();
+      if (!agree) {
+        describe();  // every rank saw the same table, so every rank gets here
         return;
       }
-      describe();  // every rank saw the same table, so every rank gets here
+      uint64_t sent = 0, expected = 0;
+      for (const Hello& h : s.hellos) {
+        sent += h.sent;
+        expected += h.expected;
+      }
+      if (sent != expected) {
+        gather_splits();  // likewise on every rank
+        return;
+      }
+      all_even_ = std::all_of(s.hellos.begin(), s.hellos.end(), [&](const Hello& h) {
+        return h.even >= 0 && h.even == s.hello.even;
+      });
+      next();
     });
   }
 
@@ -166,6 +209,8 @@ class StagedTask : public Task {
   std::shared_ptr<Scratch> scratch_;
   // Point-to-point requests can be cancelled when abandoned; collectives cannot.
   bool p2p_ = false;
+  // Every rank's handshake said its all_to_all counts are even and the same.
+  bool all_even_ = false;
 
  private:
   // Second round of the handshake: every rank's entry (and error), then the error.
@@ -180,6 +225,36 @@ class StagedTask : public Task {
                                     s.descs.data(), static_cast<int>(kDescBytes), MPI_BYTE, comm(),
                                     post()));
     then("the checked-mode description exchange", [this] { raise_disagreement(); });
+  }
+
+  // Second round of an all_to_all whose split sizes disagree: every rank's
+  // lists, then the error naming the first pair that disagrees.
+  void gather_splits() {
+    Scratch& s = *scratch_;
+    const int n = group_->size();
+    s.all_splits.assign(2 * static_cast<size_t>(n) * static_cast<size_t>(n), 0);
+    TANDEM_MPI_CHECK(MPI_Iallgather(s.splits.data(), 2 * n, MPI_INT64_T, s.all_splits.data(), 2 * n,
+                                    MPI_INT64_T, comm(), post()));
+    then("the exchange of all_to_all split sizes", [this] { raise_split_disagreement(); });
+  }
+
+  [[noreturn]] void raise_split_disagreement() {
+    const Scratch& s = *scratch_;
+    const int n = group_->size(), me = group_->rank();
+    auto list = [&](int r) { return s.all_splits.data() + 2 * static_cast<size_t>(n) * r; };
+    for (int q = 0; q < n; ++q) {
+      for (int sender = 0; sender < n; ++sender) {
+        const int64_t sent = list(sender)[q], expected = list(q)[n + sender];
+        if (sent == expected) continue;
+        std::string what = fmt::format(
+            "split sizes disagree: rank {} sends {} rows to rank {}, which expects {} rows from it",
+            sender, sent, q, expected);
+        if (q == me) throw Error(fmt::format("[comm::all_to_all] {}: {}", group_->where(), what));
+        throw CommAbortedError(fmt::format("[comm::mpi] {}: #{} {} failed on rank {}: {}",
+                                           group_->where(), entry_.seq, entry_.op, q, what));
+      }
+    }
+    TANDEM_INTERNAL_ASSERT(false, "{}: split hashes disagree but the lists agree", label());
   }
 
   [[noreturn]] void raise_disagreement() {
@@ -305,8 +380,11 @@ class CollectiveTask final : public StagedTask {
     if (!group_->options().checked || p2p_) {
       if (local) std::rethrow_exception(local);
       start();
-    } else if (c_.kind == CollectiveKind::AllToAll && !local) {
-      exchange_splits();
+    } else if (c_.kind == CollectiveKind::AllToAll) {
+      std::vector<int64_t> splits = c_.input_splits;
+      splits.insert(splits.end(), c_.output_splits.begin(), c_.output_splits.end());
+      handshake(
+          local, [this] { start(); }, &splits, local ? -1 : even_count());
     } else {
       handshake(local, [this] { start(); });
     }
@@ -325,27 +403,18 @@ class CollectiveTask final : public StagedTask {
     }
   }
 
-  // Checked all_to_all: every rank learns how many rows each peer sends it
-  // and compares with what it expects before any data moves.
-  void exchange_splits() {
-    Scratch& s = *scratch_;
-    s.send_splits = c_.input_splits;
-    s.recv_splits.assign(static_cast<size_t>(group_->size()), 0);
-    TANDEM_MPI_CHECK(MPI_Ialltoall(s.send_splits.data(), 1, MPI_INT64_T, s.recv_splits.data(), 1,
-                                   MPI_INT64_T, comm(), post()));
-    then("the exchange of all_to_all split sizes", [this] {
-      const Scratch& s = *scratch_;
-      std::exception_ptr local;
-      for (int r = 0; r < group_->size() && !local; ++r) {
-        if (s.recv_splits[r] != c_.output_splits[r]) {
-          local = std::make_exception_ptr(Error(fmt::format(
-              "[comm::all_to_all] {}: split sizes disagree: rank {} sends {} rows to rank {}, "
-              "which expects {} rows from it",
-              group_->where(), r, s.recv_splits[r], group_->rank(), c_.output_splits[r])));
-        }
-      }
-      handshake(local, [this] { start(); });
-    });
+  // The element count this rank sends to and receives from every rank, when
+  // it is the same for all (else -1).
+  int32_t even_count() const {
+    int64_t row = 1;
+    for (int d = 1; d < c_.input.dim(); ++d)
+      row *= c_.input.shape()[d];
+    const int64_t rows = c_.input_splits.empty() ? 0 : c_.input_splits[0];
+    for (size_t r = 0; r < c_.input_splits.size(); ++r) {
+      if (c_.input_splits[r] != rows || c_.output_splits[r] != rows) return -1;
+    }
+    const int64_t count = rows * row;
+    return count <= INT32_MAX ? static_cast<int32_t>(count) : -1;
   }
 
   // The collective itself.
@@ -456,6 +525,13 @@ class CollectiveTask final : public StagedTask {
       recv_at += c_.output_splits[r] * row;
     }
     MPI_Datatype type = move_type(in.dtype());
+    if (all_even_) {
+      // The same count everywhere (checked mode's handshake said so): the
+      // plain all-to-all, which MPI may run faster.
+      TANDEM_MPI_CHECK(MPI_Ialltoall(in.raw_data(), s.send_counts[0], type, out.raw_data(),
+                                     s.recv_counts[0], type, comm(), post()));
+      return;
+    }
     TANDEM_MPI_CHECK(MPI_Ialltoallv(in.raw_data(), s.send_counts.data(), s.send_displs.data(), type,
                                     out.raw_data(), s.recv_counts.data(), s.recv_displs.data(),
                                     type, comm(), post()));

@@ -13,6 +13,7 @@
 #include <ctime>
 #include <deque>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 #include <type_traits>
@@ -29,13 +30,91 @@
 namespace tandem {
 namespace {
 
-// A message of the p2p mailbox: the sender's tensor, read in place by the
-// receiver, who then sets `consumed`.
-struct Message {
-  Tensor data;
-  LedgerEntry entry;
-  std::shared_ptr<std::atomic<bool>> consumed;
-};
+using Clock = std::chrono::steady_clock;
+// Note [Threads rounds]
+// ~~~~~~~~~~~~~~~~~~~~~
+// The work of a collective is what a naive shared-memory version does: every
+// rank copies (or reduces) what it needs from its peers' inputs into its own
+// output, once all inputs are there, and nobody reuses an input before every
+// peer has read it. What costs beyond that is hand-offs between threads: on
+// the small shared machines the suite runs on, one sleep and wake-up costs as
+// much as copying a megabyte. So collectives do not go through a comm thread:
+//
+// - launch() *posts* the rank's part (input, output, ledger entry, Work) in
+//   round k of the group, its k-th collective (a ring of kRounds rounds per
+//   group), and bumps the round's arrival count. It never waits for anyone.
+// - The round's work is a set of *jobs* that never wait: rank r's output is
+//   written by its jobs, one per peer for an all_gather or all_to_all (each
+//   runnable once r and that peer have posted), else one once every rank
+//   has posted (Note [Threads jobs]; a split all_reduce has a second one,
+//   Note [Threads reductions]). Any thread may run any job after claiming
+//   it (a compare-and-swap on a flag tagged with the round's use of its ring
+//   slot, so a late thread cannot claim a job of the slot's next round).
+// - Whoever *drives* the round claims the open jobs, its own rank's first,
+//   and runs them: a thread in Work::synchronize() or wait() (so the waiting
+//   rank copies its own output, as the naive version does),
+//   Work::is_completed() (without waiting), the comm thread for a Work no
+//   thread of this backend waits on (a wrapper's, or one with a completion
+//   callback), and the group's destructor. A driver whose own jobs are taken
+//   runs a late peer's instead of sleeping until that peer is scheduled.
+// - The thread that finishes the last job *retires* the round: it finishes
+//   every member's Work (no input is read any more), releases the posts and
+//   frees the ring slot.
+// A synchronous collective therefore waits at most twice, as the naive
+// version does (for the last post and for the last job), with no thread hop.
+// Once every member has posted, any single driver completes the round, so a
+// rank that launches and never waits holds nobody up. (Before, each rank's
+// comm thread ran the collective between two barriers: a launch and a wait
+// cost two hand-offs between threads, 14 context switches per 1 MiB
+// all_gather of 4 ranks instead of the naive version's 6, and 0.3-0.9x its
+// speed at 1-4 MiB.)
+//
+// The comm thread (a TaskQueue per rank and group) remains for what has to
+// wait before it can post: an input produced on an asynchronous stream (the
+// launch's ready event), a ring slot still in use, point-to-point batches
+// (a mailbox; a batch first completes this rank's earlier collectives, as when
+// the comm thread ran everything in launch order), and every launch queued
+// behind one of those, so that each rank posts in launch order. It posts such
+// a collective and then drives it.
+//
+// Failures. A round that some member has not posted is *sealed* (a flag in
+// its state word, set by compare-and-swap only while the count is short) by a
+// driver that finds the group aborted, a member exited, or its deadline
+// passed (the watchdog: posted at + the group's timeout); a sealed round runs
+// no further job, and each rank fails its own Work in it once the jobs in
+// flight have ended. A round every member posted always runs to completion,
+// since its jobs cannot block. An error inside a
+// job (checked mode's fingerprint comparison, all_to_all split sizes that
+// disagree) fails that rank's Work and aborts the group, as a local failure
+// did when the comm thread ran the collective.
+constexpr uint64_t kRounds = 8;
+
+// A round's state word: the members that posted (bits 0-30), sealed (bit
+// 31), and which use of its ring slot it is (bits 32-63; round k is use
+// k / kRounds of slot k % kRounds).
+constexpr uint64_t kCountMask = (uint64_t{1} << 31) - 1;
+constexpr uint64_t kSealed = uint64_t{1} << 31;
+constexpr int kUseShift = 32;
+uint64_t use_of(uint64_t state) {
+  return state >> kUseShift;
+}
+int posted_of(uint64_t state) {
+  return static_cast<int>(state & kCountMask);
+}
+// A job's claim flag during use u of its slot: closed (not runnable yet, or
+// not a job of this round), open, claimed (running), done.
+uint64_t closed_in(uint64_t u) {
+  return 4 * u;
+}
+uint64_t open_in(uint64_t u) {
+  return 4 * u + 1;
+}
+uint64_t claimed_in(uint64_t u) {
+  return 4 * u + 2;
+}
+uint64_t done_in(uint64_t u) {
+  return 4 * u + 3;
+}
 
 // Sleeps while `word` holds `expected`, at most `timeout` (a wake-up may be
 // spurious: callers re-check). Linux futexes: one syscall to sleep, one to
@@ -53,24 +132,28 @@ void futex_wake_all(std::atomic<uint32_t>& word) {
           nullptr, 0);
 }
 
-// Note [Threads barrier]
-// ~~~~~~~~~~~~~~~~~~~~~~~
-// A collective meets its group two or three times, so the barrier's wake-up
-// latency is most of the cost of a small collective. It is a generation
-// counter: the last rank to arrive resets the count and bumps the
-// generation; the others first yield their core a couple of times
-// (kSpinYields: a peer that is runnable on the same core gets there without
-// a sleep and a wake-up), then sleep on the group's futex
-// word `wake_seq`, bounded by the group's timeout. The last arrival bumps
-// `wake_seq` and wakes the sleepers only when there are some (`sleepers` is
-// read after the generation store and incremented before the sleeper's last
-// check, all sequentially consistent, so a sleeper either sees the new
-// generation or is woken). Aborts and exits bump `wake_seq` too, and every
-// wake-up re-checks why the rank waits. Longer spinning (up to 50 us of
-// yields, or pause loops) measured no faster, or much slower, on the small
-// shared machines the suite runs on: there the spinners mostly hand the core
-// to each other instead of to the rank that is late.
-constexpr int kSpinYields = 2;
+// Note [Threads waits]
+// ~~~~~~~~~~~~~~~~~~~~
+// A driver waits for the last post of a round and for jobs running on other
+// threads (the end of a phase, or of the round). It first yields its core up
+// to kSpinYields times, then sleeps on the group's futex word `wake_seq`,
+// bounded by its deadline. Whatever a sleeper may wait for (the last post,
+// the end of a phase, a retirement, an abort, an exit) bumps `wake_seq` and
+// wakes every sleeper, only when there are some: `sleepers` is read after the
+// change and incremented before the sleeper's last check, all sequentially
+// consistent, so a sleeper either sees the change or is woken. Every wake-up
+// re-checks why the thread waits.
+//
+// Why yield before sleeping: with more rank threads than cores (4 on the
+// suite's 2), what a waiter needs is usually done by a runnable peer on its
+// own core, and a yield hands the core to it at once, while a sleeper that
+// is woken waits for the peer's time slice to end (tens of microseconds, or
+// a whole slice). 8 yields measured 1.3-1.6x faster than 2 on 4 KiB-4 MiB
+// all_gathers of 4 ranks on 2 cores; 16 or a bound of 20-50 us of yields
+// were no better, and pause loops were worse. (With a comm thread per rank,
+// as before Note [Threads rounds], long spinning was slower: the spinners
+// then handed the core to each other instead of to the late rank.)
+constexpr int kSpinYields = 8;
 
 template <class F>
 bool spin_until(F&& done) {
@@ -79,6 +162,16 @@ bool spin_until(F&& done) {
     std::this_thread::yield();
   }
   return done();
+}
+
+std::string what_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
 }
 
 // Note [Threads reductions]
@@ -92,10 +185,12 @@ bool spin_until(F&& done) {
 // output per rank.
 //
 // An all_reduce of at least kSplitAllReduceBytes is split, reduce-scatter
-// style: after the first barrier each rank reduces 1/n of the elements into
-// its own output, meets the others again, and copies the other chunks from
-// their outputs. Each rank then reads about 2x the buffer instead of n x, at
-// the price of a third barrier, which only pays off for large buffers.
+// style, into two phases of jobs (Note [Threads rounds]): first, job r
+// reduces chunk r (1/n of the elements) into rank r's output; once all those
+// ended, job r copies the other chunks into rank r's output from the outputs
+// that hold them. Each output then costs reading about 2x the buffer instead
+// of n x, at the price of a wait between the phases, which only pays off for
+// large buffers.
 constexpr int64_t kReduceBlock = 8192;
 constexpr size_t kSplitAllReduceBytes = 256 * 1024;
 
@@ -179,15 +274,256 @@ std::pair<int64_t, int64_t> chunk_of(int r, int n, int64_t count) {
   return {lo, std::min(lo + per, count)};
 }
 
-struct Slot {
+// A message of the p2p mailbox: the sender's tensor, read in place by the
+// receiver, who then sets `consumed`.
+struct Message {
+  Tensor data;
+  LedgerEntry entry;
+  std::shared_ptr<std::atomic<bool>> consumed;
+};
+
+// One member's part of a round, written by that member before it bumps the
+// round's count and read by the jobs after the count is full.
+struct Post {
   CollectiveKind kind = CollectiveKind::Barrier;
   Tensor input;
-  Tensor output;  // read by peers in the second phase of a split all_reduce
+  Tensor output;  // peers read it in the second phase of a split all_reduce
+  RedOp op = RedOp::Sum;
+  int root = -1;
   LedgerEntry entry;
   uint64_t fingerprint = 0;  // of entry
   std::vector<int64_t> input_splits, output_splits;
-  int root = -1;
+  bool checked = true;
+  // The poster's where(); its group outlives the round (its destructor
+  // drives its rounds to the end).
+  const std::string* where = nullptr;
+  WorkPtr work;
+  int64_t start_us = 0;  // for the trace
 };
+
+// One collective of a group (Note [Threads rounds]).
+struct Round {
+  explicit Round(int n)
+      : n(n),
+        claims(std::make_unique<std::atomic<uint64_t>[]>(static_cast<size_t>(n) * (n + 1))),
+        posts(static_cast<size_t>(n)),
+        errors(static_cast<size_t>(n)) {}
+  const int n;
+  std::atomic<uint64_t> state{0};
+  // Jobs posted and not yet run: the round retires when it reaches 0 (Note
+  // [Threads jobs]).
+  std::atomic<int64_t> left{0};
+  std::atomic<uint64_t> opened{0};  // bumped after jobs open: wakes the drivers' waits
+  // Split all_reduce (Note [Threads reductions]): ranks that split, and
+  // those whose first-phase job ended.
+  std::atomic<int> split_ranks{-1};
+  std::atomic<int> split_done{0};
+  // Claim flags (Note [Threads jobs]): job r * n + s is rank r's part from
+  // rank s, job r * n + r its whole part when it has no pieces, job n * n + r
+  // its second phase.
+  std::unique_ptr<std::atomic<uint64_t>[]> claims;
+  std::vector<Post> posts;
+  std::mutex errors_mu;                    // the first error of a rank's jobs wins
+  std::vector<std::exception_ptr> errors;  // by rank
+
+  std::atomic<uint64_t>& piece(int r, int s) { return claims[static_cast<size_t>(r) * n + s]; }
+  std::atomic<uint64_t>& second(int r) { return claims[static_cast<size_t>(n) * n + r]; }
+  void fail(int r, std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(errors_mu);
+    if (!errors[r]) errors[r] = std::move(error);
+  }
+};
+
+// ---- the jobs (any thread runs them; they only read the round's posts) ----
+//
+// Note [Threads jobs]
+// ~~~~~~~~~~~~~~~~~~~
+// An all_gather or all_to_all of rank r is n *pieces*: piece (r, s) copies
+// rank s's part into rank r's output and can run as soon as r and s have
+// posted, so the first ranks to post start copying while the last ones are
+// still launching (the naive version waits for everyone). Other collectives
+// give each rank one job, runnable once every rank has posted (a reduction
+// reads every input), and a split all_reduce a second one (Note [Threads
+// reductions]).
+//
+// A job's claim flag opens when its inputs are posted. A poster publishes
+// its post in its `posted` counter, then opens the pieces it can now run
+// with every rank that has posted already, and, if every rank has, the
+// whole-part jobs. Publications and the checks that follow them are
+// sequentially consistent, so of two ranks posting at once at least one
+// sees the other (opening twice is harmless). Drivers claim open jobs, this
+// rank's first, run them and count them down in `left`, which every poster
+// raises by its number of jobs before it publishes: a rank's jobs all need
+// every rank's post, so `left` reaches 0 exactly once, when every job of
+// the round has run, and whoever brings it there retires the round.
+//
+// A sealed round (Note [Threads rounds]) may have pieces running: a claim
+// re-reads the state after it is taken and skips the job once sealed, and
+// a Work of a sealed round fails only after the claims in flight have ended
+// (compare-and-swap on the claim, then read the state; compare-and-swap on
+// the state, then read the claims: either the claimer sees the seal or the
+// sealer sees the claim).
+
+bool has_pieces(const Post& p) {
+  return p.kind == CollectiveKind::AllGather || p.kind == CollectiveKind::AllToAll;
+}
+
+// Whether rank p's all_reduce is split into two phases (Note [Threads reductions]).
+bool splits(const Post& p, int n) {
+  return n > 1 && p.kind == CollectiveKind::AllReduce && p.input.nbytes() >= kSplitAllReduceBytes;
+}
+
+int64_t jobs_of(const Post& p, int n) {
+  return has_pieces(p) ? n : splits(p, n) ? 2 : 1;
+}
+
+[[noreturn]] void diverge(const Round& R, int index, int other) {
+  const Post& me = R.posts[index];
+  throw Error(fmt::format(
+      "[comm::checked] {}: collectives diverge: rank {} launched {} while rank {} launched "
+      "{} (same position in the group's launch order; check that every rank issues the "
+      "same collectives in the same order with the same shapes)",
+      *me.where, index, me.entry.str(), other, R.posts[other].entry.str()));
+}
+
+void check_fingerprints(const Round& R, int index) {
+  const Post& me = R.posts[index];
+  if (!me.checked) return;
+  for (int r = 0; r < R.n; ++r) {
+    if (R.posts[r].fingerprint != me.fingerprint) diverge(R, index, r);
+  }
+}
+
+// Piece (index, source) of an all_gather or all_to_all (Note [Threads jobs]).
+void copy_piece(const Round& R, int index, int source) {
+  const Post& me = R.posts[index];
+  const Post& peer = R.posts[source];
+  if (me.checked && peer.fingerprint != me.fingerprint) diverge(R, index, source);
+  // Only reachable with checked mode off; guards the reads below.
+  TANDEM_CHECK(peer.kind == me.kind && peer.input.dtype() == me.input.dtype() &&
+                   (me.kind == CollectiveKind::AllToAll
+                        ? peer.input_splits.size() == static_cast<size_t>(R.n)
+                        : peer.input.nbytes() == me.input.nbytes()),
+               "[comm::{}] {}: rank {} posted {} while rank {} runs {} (checked mode is off)",
+               collective_name(me.kind), *me.where, source, peer.entry.str(), index,
+               me.entry.str());
+  char* out = static_cast<char*>(me.output.raw_data());
+  const char* in = static_cast<const char*>(peer.input.raw_data());
+  if (me.kind == CollectiveKind::AllGather) {
+    const size_t chunk = me.input.nbytes();
+    std::memcpy(out + source * chunk, in, chunk);
+    return;
+  }
+  TANDEM_CHECK(peer.input_splits[index] == me.output_splits[source],
+               "[comm::all_to_all] {}: split sizes disagree: rank {} sends {} rows to rank {}, "
+               "which expects {} rows from it",
+               *me.where, source, peer.input_splits[index], index, me.output_splits[source]);
+  const int64_t in_rows = me.input.shape()[0], out_rows = me.output.shape()[0];
+  const int64_t row_bytes = in_rows > 0    ? static_cast<int64_t>(me.input.nbytes()) / in_rows
+                            : out_rows > 0 ? static_cast<int64_t>(me.output.nbytes()) / out_rows
+                                           : 0;
+  int64_t out_row = 0, in_row = 0;
+  for (int r = 0; r < source; ++r)
+    out_row += me.output_splits[r];
+  for (int r = 0; r < index; ++r)
+    in_row += peer.input_splits[r];
+  const int64_t bytes = me.output_splits[source] * row_bytes;
+  if (bytes > 0) {
+    std::memcpy(out + out_row * row_bytes, in + in_row * row_bytes, static_cast<size_t>(bytes));
+  }
+}
+
+// First phase of a split all_reduce: chunk `index` of every input, reduced
+// into the same chunk of rank `index`'s output.
+void reduce_chunk(const Round& R, int index) {
+  const Post& me = R.posts[index];
+  const int n = R.n;
+  const int64_t count = me.input.numel();
+  for (int r = 0; r < n; ++r) {
+    const Post& peer = R.posts[r];
+    // Only reachable with checked mode off; guards the reads below.
+    TANDEM_CHECK(peer.kind == CollectiveKind::AllReduce && peer.input.numel() == count &&
+                     peer.input.dtype() == me.input.dtype(),
+                 "[comm::all_reduce] {}: rank {} posted {} while rank {} all_reduces {} {} "
+                 "(checked mode is off)",
+                 *me.where, r, peer.entry.str(), index, dtype_name(me.input.dtype()),
+                 me.input.shape());
+  }
+  auto [lo, hi] = chunk_of(index, n, count);
+  if (hi <= lo) return;
+  const size_t element = me.input.element_size();
+  std::vector<const void*> inputs(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r)
+    inputs[r] = static_cast<const char*>(R.posts[r].input.raw_data()) + lo * element;
+  reduce_ranks(me.op, me.input.dtype(), inputs,
+               static_cast<char*>(me.output.raw_data()) + lo * element, hi - lo);
+}
+
+// Second phase: the other chunks, from the outputs of the ranks that reduced
+// them (every rank splits: reduce_chunk checked it).
+void copy_peer_chunks(Round& R, int index) {
+  const Post& me = R.posts[index];
+  const int n = R.n;
+  {
+    std::lock_guard<std::mutex> lock(R.errors_mu);
+    if (R.errors[index]) return;  // its own first phase failed
+    for (int r = 0; r < n; ++r) {
+      if (R.errors[r]) {
+        throw CommAbortedError(
+            fmt::format("[comm::all_reduce] {}: rank {} failed to reduce its chunk: {}", *me.where,
+                        r, what_of(R.errors[r])));
+      }
+    }
+  }
+  const int64_t count = me.output.numel();
+  const size_t element = me.output.element_size();
+  for (int r = 0; r < n; ++r) {
+    auto [lo, hi] = chunk_of(r, n, count);
+    if (r == index || hi <= lo) continue;
+    std::memcpy(static_cast<char*>(me.output.raw_data()) + lo * element,
+                static_cast<const char*>(R.posts[r].output.raw_data()) + lo * element,
+                static_cast<size_t>(hi - lo) * element);
+  }
+}
+
+// Rank `index`'s whole part, once every rank has posted: a reduction,
+// broadcast or barrier, or the first phase of a split all_reduce.
+void run_whole(const Round& R, int index) {
+  const Post& me = R.posts[index];
+  const int n = R.n;
+  check_fingerprints(R, index);
+  if (splits(me, n)) {
+    reduce_chunk(R, index);
+    return;
+  }
+  switch (me.kind) {
+    case CollectiveKind::Barrier:
+      return;
+    case CollectiveKind::AllReduce: {
+      std::vector<const void*> inputs(static_cast<size_t>(n));
+      for (int r = 0; r < n; ++r)
+        inputs[r] = R.posts[r].input.raw_data();
+      reduce_ranks(me.op, me.output.dtype(), inputs, me.output.raw_data(), me.output.numel());
+      return;
+    }
+    case CollectiveKind::Broadcast: {
+      const Tensor& src = R.posts[me.root].input;
+      std::memcpy(me.output.raw_data(), src.raw_data(), me.output.nbytes());
+      return;
+    }
+    case CollectiveKind::ReduceScatter: {
+      const size_t offset = static_cast<size_t>(index) * me.output.nbytes();
+      std::vector<const void*> inputs(static_cast<size_t>(n));
+      for (int r = 0; r < n; ++r)
+        inputs[r] = static_cast<const char*>(R.posts[r].input.raw_data()) + offset;
+      reduce_ranks(me.op, me.output.dtype(), inputs, me.output.raw_data(), me.output.numel());
+      return;
+    }
+    default:
+      TANDEM_FAIL("[comm::{}] backend threads does not support {} ({})", collective_name(me.kind),
+                  collective_name(me.kind), *me.where);
+  }
+}
 
 }  // namespace
 
@@ -197,24 +533,23 @@ struct SharedGroup {
       : name(std::move(group_name)),
         size(static_cast<int>(world_members.size())),
         members(std::move(world_members)),
-        slots(static_cast<size_t>(size)),
-        arrivals(static_cast<size_t>(size)),
-        exit_reasons(static_cast<size_t>(size)) {}
+        posted(static_cast<size_t>(size)),
+        exit_reasons(static_cast<size_t>(size)) {
+    for (uint64_t i = 0; i < kRounds; ++i)
+      rounds.push_back(std::make_unique<Round>(size));
+  }
 
   std::string name;
   int size;
   std::vector<int> members;  // world ranks
   std::mutex mu;             // guards the strings and the mailbox; `cv` sleeps on it
   std::condition_variable cv;
-  // The collective barrier (Note [Threads barrier]).
-  std::atomic<uint64_t> generation{0};
-  std::atomic<int> arrived{0};
-  std::atomic<int> sleepers{0};       // members sleeping in the barrier
+  // The ring of rounds (Note [Threads rounds]) and its sleepers (Note [Threads waits]).
+  std::vector<std::unique_ptr<Round>> rounds;
+  std::atomic<int> sleepers{0};
   std::atomic<uint32_t> wake_seq{0};  // their futex word: bumped to wake them
-  // Each rank's own slot, written by it before a barrier and read by the
-  // others after it (the barrier orders the accesses).
-  std::vector<Slot> slots;
-  std::vector<std::atomic<uint64_t>> arrivals;  // barriers entered, by group rank
+  std::vector<std::atomic<uint64_t>>
+      posted;  // rounds posted, by group rank (the watchdog's report)
   // Set once, under `mu`, after abort_reason is written.
   std::atomic<bool> aborted{false};
   std::string abort_reason;
@@ -226,6 +561,20 @@ struct SharedGroup {
   std::atomic<int> first_exited{-1};
   std::map<std::tuple<int, int, int>, std::deque<Message>> mail;  // (src, dst, tag)
 
+  Round& round(uint64_t k) { return *rounds[k % kRounds]; }
+
+  // No collective can complete any more.
+  bool broken() const { return aborted.load() || first_exited.load() >= 0; }
+  // Why, for `who` ("rank 1 at #4 all_gather"); only when broken().
+  std::exception_ptr failure(const std::string& who) const {
+    if (aborted.load()) {
+      return std::make_exception_ptr(CommAbortedError(
+          fmt::format("[comm] {} failed: group '{}' was aborted: {}", who, name, abort_reason)));
+    }
+    return std::make_exception_ptr(CommAbortedError(fmt::format(
+        "[comm] {} failed: in group '{}', {}", who, name, exit_reasons[first_exited.load()])));
+  }
+
   void abort(const std::string& reason) {
     std::lock_guard<std::mutex> lock(mu);
     abort_locked(reason);
@@ -236,12 +585,7 @@ struct SharedGroup {
       aborted.store(true);
     }
     cv.notify_all();
-    wake_barrier();
-  }
-  // Wakes every rank sleeping in the barrier (it re-checks why it waits).
-  void wake_barrier() {
-    wake_seq.fetch_add(1);
-    futex_wake_all(wake_seq);
+    wake_all();
   }
   [[noreturn]] void throw_aborted(const std::string& who) {
     throw CommAbortedError(
@@ -252,12 +596,169 @@ struct SharedGroup {
     if (exit_reasons[group_rank].empty()) exit_reasons[group_rank] = reason;
     if (first_exited.load() < 0) first_exited.store(group_rank);
     cv.notify_all();
-    wake_barrier();
+    wake_all();
   }
   bool exited(int group_rank) const { return !exit_reasons[group_rank].empty(); }
   [[noreturn]] void throw_exited(const std::string& who, int group_rank) {
     throw CommAbortedError(
         fmt::format("[comm] {} failed: in group '{}', {}", who, name, exit_reasons[group_rank]));
+  }
+
+  // ---- waits (Note [Threads waits]) ----
+
+  void wake_all() {
+    wake_seq.fetch_add(1);
+    futex_wake_all(wake_seq);
+  }
+  // After a change some thread may be sleeping for.
+  void notify() {
+    if (sleepers.load() > 0) wake_all();
+  }
+  // Until ready() or the deadline; false on timeout.
+  template <class F>
+  bool wait_until(F&& ready, Clock::time_point deadline) {
+    if (spin_until(ready)) return true;
+    for (;;) {
+      const uint32_t seq = wake_seq.load();
+      const auto left = deadline - Clock::now();
+      if (left <= Clock::duration::zero()) return ready();
+      sleepers.fetch_add(1);
+      if (!ready()) futex_wait(wake_seq, seq, left);
+      sleepers.fetch_sub(1);
+      if (ready()) return true;
+    }
+  }
+
+  // ---- jobs (Note [Threads jobs]) ----
+
+  static void open(std::atomic<uint64_t>& claim, uint64_t use) {
+    uint64_t closed = closed_in(use);
+    claim.compare_exchange_strong(closed, open_in(use));
+  }
+
+  // After rank `me` published its post of round k (use `use` of R): opens
+  // the jobs that post makes runnable.
+  void open_jobs(Round& R, uint64_t use, uint64_t k, int me) {
+    bool all = true;
+    const bool mine = has_pieces(R.posts[me]);
+    for (int r = 0; r < size; ++r) {
+      if (posted[r].load() <= k) {
+        all = false;
+        continue;
+      }
+      if (mine) open(R.piece(me, r), use);
+      if (r != me && has_pieces(R.posts[r])) open(R.piece(r, me), use);
+    }
+    if (all) {
+      int split = 0;
+      for (int r = 0; r < size; ++r)
+        split += splits(R.posts[r], size) ? 1 : 0;
+      R.split_ranks.store(split);
+      for (int r = 0; r < size; ++r) {
+        if (!has_pieces(R.posts[r])) open(R.piece(r, r), use);
+      }
+    }
+    R.opened.fetch_add(1);
+    notify();
+  }
+
+  // Claims and runs the open jobs of R in use `use`, rank `first`'s first;
+  // true when it ran any.
+  bool run_jobs(Round& R, uint64_t use, int first) {
+    bool ran = false;
+    for (int i = 0; i < size; ++i) {
+      const int r = (first + i) % size;
+      for (int j = 0; j <= size; ++j) {
+        const int source = j < size ? (r + j) % size : -1;  // -1: the second phase
+        std::atomic<uint64_t>& claim = source >= 0 ? R.piece(r, source) : R.second(r);
+        uint64_t open = open_in(use);
+        if (claim.load() != open || !claim.compare_exchange_strong(open, claimed_in(use))) continue;
+        ran = true;
+        if (finish_job(R, use, claim, r, source)) return true;  // retired: R is no longer ours
+      }
+    }
+    return ran;
+  }
+
+  // Runs the job of rank r from `source` (-1: its second phase), claimed by
+  // this thread; true when it was the last one and retired the round.
+  bool finish_job(Round& R, uint64_t use, std::atomic<uint64_t>& claim, int r, int source) {
+    bool first_phase = false;  // of a split all_reduce
+    if ((R.state.load() & kSealed) == 0) {
+      try {
+        if (source < 0) {
+          copy_peer_chunks(R, r);
+        } else if (has_pieces(R.posts[r])) {
+          copy_piece(R, r, source);
+        } else {
+          first_phase = splits(R.posts[r], size);
+          run_whole(R, r);
+        }
+      } catch (...) {
+        R.fail(r, std::current_exception());
+      }
+    }
+    claim.store(done_in(use));
+    // Still counted in `left`, so the posts stay.
+    if (first_phase && R.split_done.fetch_add(1) + 1 == R.split_ranks.load()) {
+      for (int q = 0; q < size; ++q) {
+        if (splits(R.posts[q], size)) open(R.second(q), use);
+      }
+      R.opened.fetch_add(1);
+      notify();
+    }
+    if (R.left.fetch_sub(1) != 1) return false;
+    retire(R, use);
+    return true;
+  }
+
+  // Waits until no job of R (use `use`) is running: before a Work of a
+  // sealed round fails (Note [Threads jobs]). Jobs never block.
+  void wait_for_jobs(Round& R, uint64_t use) {
+    for (size_t j = 0; j < static_cast<size_t>(size) * (size + 1); ++j) {
+      while (R.claims[j].load() == claimed_in(use))
+        std::this_thread::yield();
+    }
+  }
+
+  // After the last job: finishes every member's Work (with its error, if
+  // any; an error aborts the group, as any local failure does), releases the
+  // posts and frees the ring slot for the next use.
+  void retire(Round& R, uint64_t use) {
+    std::vector<std::pair<WorkPtr, std::exception_ptr>> works(static_cast<size_t>(size));
+    std::string failed;
+    for (int r = 0; r < size; ++r) {
+      Post& p = R.posts[r];
+      works[r] = {std::move(p.work), std::exchange(R.errors[r], nullptr)};
+      if (works[r].second && failed.empty()) {
+        failed = fmt::format("rank {} failed in #{} {}: {}", r, p.entry.seq,
+                             collective_name(p.kind), what_of(works[r].second));
+      }
+      if (p.start_us > 0 && trace_enabled()) {
+        trace_complete("comm", fmt::format("{} #{}", collective_name(p.kind), p.entry.seq),
+                       p.start_us, trace_now_us() - p.start_us,
+                       fmt::format("\"seq\":{},\"group\":\"{}\"", p.entry.seq, name),
+                       fmt::format("comm r{} {}", r, name));
+      }
+      p.input = Tensor();
+      p.output = Tensor();
+    }
+    for (size_t j = 0; j < static_cast<size_t>(size) * (size + 1); ++j)
+      R.claims[j].store(closed_in(use + 1));
+    R.left.store(0);
+    R.split_ranks.store(-1);
+    R.split_done.store(0);
+    if (!failed.empty()) abort(failed);
+    for (auto& [work, error] : works) {
+      try {
+        work->finish(error);
+      } catch (const std::exception& e) {  // a completion callback's: not the round's
+        log_error("[comm::threads] a completion callback of {} threw: {}", work->description(),
+                  e.what());
+      }
+    }
+    R.state.store((use + 1) << kUseShift);
+    notify();
   }
 };
 
@@ -319,6 +820,43 @@ class ThreadsWorld {
 
 namespace {
 
+class ThreadsProcessGroup;
+
+// One collective this rank posted.
+struct Ticket {
+  uint64_t round = 0;
+  uint64_t seq = 0;  // in the ledger
+  CollectiveKind kind = CollectiveKind::Barrier;
+  Clock::time_point posted_at;
+};
+
+// The Work of a collective that launch() posted: waiting on it, or asking
+// whether it completed, drives its round (Note [Threads rounds]).
+class ThreadsWork final : public Work {
+ public:
+  ThreadsWork(std::string description, std::weak_ptr<ThreadsProcessGroup> group)
+      : Work(std::move(description)), group_(std::move(group)) {}
+
+  void synchronize() override;
+  bool is_completed() override;
+  // A Work observed only through its callbacks has no waiter to drive it:
+  // the comm thread does.
+  void on_completion(std::function<void()> fn) override;
+
+  // Set by launch() when it posted the collective itself, before the Work
+  // reaches anyone else. Works the comm thread posts are driven by it.
+  void posted_as(const Ticket& ticket) {
+    ticket_ = ticket;
+    posted_ = true;
+  }
+
+ private:
+  std::weak_ptr<ThreadsProcessGroup> group_;  // gone: its destructor has finished this Work
+  Ticket ticket_;
+  bool posted_ = false;
+  std::atomic<bool> handed_off_{false};
+};
+
 class ThreadsProcessGroup final : public ProcessGroup {
  public:
   ThreadsProcessGroup(std::shared_ptr<ThreadsWorld> world, std::string key, int rank,
@@ -327,9 +865,16 @@ class ThreadsProcessGroup final : public ProcessGroup {
         world_(std::move(world)),
         key_(std::move(key)),
         shared_(world_->group(key_, options.name, world_ranks)),
+        where_(where()),
         queue_(std::make_unique<TaskQueue>(fmt::format("comm r{} {}", rank, options.name))) {}
 
-  ~ThreadsProcessGroup() override { queue_.reset(); }  // drains pending collectives first
+  // Every collective of this rank ends before its members go: the comm
+  // thread's (deferred posts, p2p, driven Works) first, then the rounds
+  // posted at launch that nobody waited for.
+  ~ThreadsProcessGroup() override {
+    queue_.reset();
+    drain(UINT64_MAX);
+  }
 
   std::string backend_name() const override { return "threads"; }
 
@@ -337,23 +882,103 @@ class ThreadsProcessGroup final : public ProcessGroup {
     shared_->abort(fmt::format("rank {} aborted the group: {}", rank(), reason));
   }
 
- protected:
-  void launch(Collective& c) override {
-    // The task holds `this`, not a shared_ptr: the destructor drains the queue
-    // before any member goes, and a task owning the group would run that
-    // destructor on the queue's own thread when the caller let go first
-    // (joining itself: std::system_error, terminate).
-    LogContext context = current_log_context();
-    queue_->push([this, c, context]() mutable {
-      set_log_context(context);
-      execute(c);
-    });
+  // Drives round t.round (Note [Threads rounds]) until it is over for this
+  // rank: retired (every Work of it finished) or failed (`work` finished
+  // with the error). Returns false instead of waiting when `blocking` is
+  // false and the round is not over. Never throws: errors go to `work`.
+  bool drive(const Ticket& t, Work& work, bool blocking) noexcept {
+    SharedGroup& g = *shared_;
+    Round& R = g.round(t.round);
+    const uint64_t use = t.round / kRounds;
+    // The watchdog: every member must have posted within the timeout.
+    const Clock::time_point deadline = t.posted_at + timeout();
+    std::optional<Clock::time_point> jobs_deadline;
+    try {
+      for (;;) {
+        uint64_t s = R.state.load();
+        const uint64_t opened = R.opened.load();
+        if (use_of(s) != use) return true;  // retired: the retirer finished `work`
+        if ((s & kSealed) != 0) {
+          fail_sealed(t, work);
+          return true;
+        }
+        if (g.run_jobs(R, use, rank())) continue;
+        auto moved = [&] { return R.state.load() != s || R.opened.load() != opened || g.broken(); };
+        if (posted_of(s) == g.size) {
+          if (!blocking) return false;
+          // The last jobs run on other threads, or open with the last
+          // publications: wait for them, or for the retirement.
+          if (!jobs_deadline) jobs_deadline = Clock::now() + timeout();
+          if (!g.wait_until(moved, *jobs_deadline)) {
+            throw TimeoutError(fmt::format(
+                "[comm::watchdog] {} waited {} ms in #{} {} for the copies of other threads to "
+                "finish (every rank had posted)",
+                where_, timeout().count(), t.seq, collective_name(t.kind)));
+          }
+          continue;
+        }
+        // Some member has not posted yet.
+        if (g.broken()) {
+          if (!R.state.compare_exchange_strong(s, s | kSealed)) continue;
+          fail_sealed(t, work);
+          return true;
+        }
+        if (Clock::now() >= deadline) {
+          if (time_out(t, s, work)) return true;
+          continue;
+        }
+        if (!blocking) return false;
+        g.wait_until(moved, deadline);
+      }
+    } catch (...) {
+      work.finish(std::current_exception());
+      return true;
+    }
   }
 
+  // Runs drive() on the comm thread, for a Work no thread of this backend waits on.
+  void drive_on_comm_thread(const Ticket& t, WorkPtr work) {
+    queue_->push([this, t, work] { drive(t, *work, true); });
+  }
+
+ protected:
+  // Under the issue lock (Note [Issue lock]), so rounds are numbered in
+  // launch order. Posts at once when nothing of this rank is queued before
+  // it, the input is ready and the ring slot is free; otherwise the comm
+  // thread posts it (Note [Threads rounds]).
+  void launch(Collective& c) override {
+    if (c.kind == CollectiveKind::BatchP2P) {
+      defer(std::move(c), 0);
+      return;
+    }
+    const uint64_t k = next_round_++;
+    if (deferred_.load() == 0 && slot_free(k) && c.ready.query()) {
+      WorkPtr work = c.work;
+      std::optional<Ticket> t = post(c, k);
+      if (!t) return;
+      if (auto* mine = dynamic_cast<ThreadsWork*>(work.get())) {
+        mine->posted_as(*t);
+      } else {
+        drive_on_comm_thread(*t, std::move(work));  // a wrapper's Work (sim link)
+      }
+      return;
+    }
+    defer(std::move(c), k);
+  }
+
+  WorkPtr make_work(std::string description) override {
+    return std::make_shared<ThreadsWork>(
+        std::move(description), std::static_pointer_cast<ThreadsProcessGroup>(shared_from_this()));
+  }
+
+  // Every split is a new group, like a new communicator: two splits with the
+  // same members share no rounds (each group object numbers its own). The
+  // members agree on the key because they split their parent in the same
+  // order (ProcessGroup::split).
   std::shared_ptr<ProcessGroup> make_subgroup(const std::vector<int>& ranks, int new_rank,
                                               const std::string& name) override {
     std::vector<int> members;
-    std::string key = key_ + "/";
+    std::string key = fmt::format("{}/{}:", key_, splits_made_++);
     for (int r : ranks) {
       members.push_back(world_ranks()[r]);
       key += std::to_string(world_ranks()[r]) + ",";
@@ -365,269 +990,181 @@ class ThreadsProcessGroup final : public ProcessGroup {
   }
 
  private:
-  void execute(Collective& c) {
-    const char* name = collective_name(c.kind);
-    int64_t start = trace_enabled() ? trace_now_us() : 0;
+  std::string who(const Ticket& t) const {
+    return fmt::format("rank {} at #{} {}", rank(), t.seq, collective_name(t.kind));
+  }
+
+  bool slot_free(uint64_t k) { return use_of(shared_->round(k).state.load()) == k / kRounds; }
+
+  // Posts this rank's part of `c` as round k. Returns its ticket, or nullopt
+  // when the group can no longer run collectives (the Work has then failed).
+  std::optional<Ticket> post(Collective& c, uint64_t k) {
+    SharedGroup& g = *shared_;
+    Round& R = g.round(k);
+    const uint64_t use = k / kRounds;
+    const Ticket t{k, c.entry.seq, c.kind, Clock::now()};
+    if (!slot_free(k)) {
+      // Only on the comm thread, which has driven the slot's previous round:
+      // its retirer may still be finishing it.
+      auto freed = [&] { return slot_free(k) || g.broken(); };
+      if (!g.wait_until(freed, Clock::now() + timeout()) && !g.broken()) {
+        TANDEM_FAIL("[comm] {}: round {} still holds its ring slot after {} ms", who(t),
+                    k - kRounds, timeout().count());
+      }
+    }
+    if (g.broken()) {
+      c.work->finish(g.failure(who(t)));
+      return std::nullopt;
+    }
+    Post& p = R.posts[rank()];
+    p.kind = c.kind;
+    p.input = std::move(c.input);
+    p.output = std::move(c.output);
+    p.op = c.op;
+    p.root = c.peer;
+    p.entry = std::move(c.entry);
+    p.fingerprint = p.entry.fingerprint();
+    p.input_splits = std::move(c.input_splits);
+    p.output_splits = std::move(c.output_splits);
+    p.checked = options().checked;
+    p.where = &where_;
+    p.work = c.work;
+    p.start_us = trace_enabled() ? trace_now_us() : 0;
+    // Every job of this post is counted before a peer can run one, and
+    // published after the count (Note [Threads jobs]).
+    R.left.fetch_add(jobs_of(p, g.size));
+    const uint64_t s = R.state.fetch_add(1);
+    if ((s & kSealed) != 0) {  // sealed since the check above: the round will not run
+      fail_sealed(t, *c.work);
+      return std::nullopt;
+    }
+    g.posted[rank()].store(k + 1);
+    {
+      std::lock_guard<std::mutex> lock(outstanding_mu_);
+      while (!outstanding_.empty() && retired(outstanding_.front().first))
+        outstanding_.pop_front();
+      outstanding_.emplace_back(t, c.work);
+    }
+    g.open_jobs(R, use, k, rank());
+    return t;
+  }
+
+  bool retired(const Ticket& t) const {
+    return use_of(shared_->round(t.round).state.load()) != t.round / kRounds;
+  }
+
+  // Fails `work` in a sealed round, with the reason the round was sealed.
+  void fail_sealed(const Ticket& t, Work& work) {
+    SharedGroup& g = *shared_;
+    // No peer may still read this rank's input (Note [Threads jobs]).
+    g.wait_for_jobs(g.round(t.round), t.round / kRounds);
+    // A driver that timed out aborts the group right after sealing.
+    g.wait_until([&] { return g.broken(); }, Clock::now() + timeout());
+    if (g.broken()) {
+      work.finish(g.failure(who(t)));
+    } else {
+      work.finish(std::make_exception_ptr(CommAbortedError(
+          fmt::format("[comm] {} failed: a peer gave up on it ({})", who(t), where_))));
+    }
+  }
+
+  // The watchdog (Note [Bounded waits]): seals the round `t` if it is still
+  // short of posts (its state is `s`), aborts the group with a report of who
+  // posted and who did not, and fails `work` with that report. False when
+  // the round changed meanwhile.
+  bool time_out(const Ticket& t, uint64_t s, Work& work) {
+    SharedGroup& g = *shared_;
+    std::vector<int> arrived_ranks, missing_ranks;
+    for (int r = 0; r < g.size; ++r)
+      (g.posted[r].load() > t.round ? arrived_ranks : missing_ranks).push_back(r);
+    if (!g.round(t.round).state.compare_exchange_strong(s, s | kSealed)) return false;
+    std::string missing = fmt::format("{}", fmt::join(missing_ranks, ","));
+    std::string report = fmt::format(
+        "[comm::watchdog] {} waited {} ms in #{} {} for all {} ranks to post their inputs; "
+        "arrived: [{}], missing: [{}]. Last collectives of this rank:\n{}",
+        where_, timeout().count(), t.seq, collective_name(t.kind), g.size,
+        fmt::join(arrived_ranks, ","), missing, ledger().tail_str(8));
+    g.abort(fmt::format("rank {} timed out in #{} {} waiting for ranks [{}]", rank(), t.seq,
+                        collective_name(t.kind), missing));
+    log_error("{}", report);
+    g.wait_for_jobs(g.round(t.round), t.round / kRounds);  // Note [Threads jobs]
+    work.finish(std::make_exception_ptr(TimeoutError(report)));
+    return true;
+  }
+
+  // Drives every round this rank posted, up to round `up_to`, to its end.
+  void drain(uint64_t up_to) {
+    std::vector<std::pair<Ticket, WorkPtr>> pending;
+    {
+      std::lock_guard<std::mutex> lock(outstanding_mu_);
+      for (const auto& [t, weak] : outstanding_) {
+        // A Work that is gone was released by its retired round.
+        if (WorkPtr work = weak.lock(); work && t.round <= up_to) pending.emplace_back(t, work);
+      }
+    }
+    for (const auto& [t, work] : pending)
+      drive(t, *work, true);
+  }
+
+  // A launch the comm thread handles (Note [Threads rounds]); k is its round.
+  void defer(Collective c, uint64_t k) {
+    deferred_.fetch_add(1);
+    LogContext context = current_log_context();
+    // The task holds `this`, not a shared_ptr: the destructor drains the queue
+    // before any member goes, and a task owning the group would run that
+    // destructor on the queue's own thread when the caller let go first
+    // (joining itself: std::system_error, terminate).
+    queue_->push([this, c = std::move(c), k, context]() mutable {
+      set_log_context(context);
+      if (c.kind == CollectiveKind::BatchP2P) {
+        execute_p2p(c);
+        deferred_.fetch_sub(1);
+      } else {
+        post_later(c, k);
+      }
+    });
+  }
+
+  // On the comm thread: waits for the input and the ring slot, posts, then drives.
+  void post_later(Collective& c, uint64_t k) {
+    const WorkPtr work = c.work;
+    const uint64_t seq = c.entry.seq;
+    const CollectiveKind kind = c.kind;
+    std::optional<Ticket> t;
     try {
       c.ready.synchronize();
-      switch (c.kind) {
-        case CollectiveKind::BatchP2P:
-          run_p2p(c);
-          break;
-        default:
-          run_collective(c);
-          break;
-      }
+      if (k >= kRounds) drain(k - kRounds);  // this rank's use of the slot
+      t = post(c, k);
+    } catch (...) {
+      fail_locally(seq, kind, *work, std::current_exception());
+    }
+    deferred_.fetch_sub(1);  // later launches may post at once again
+    if (t) drive(*t, *work, true);
+  }
+
+  // A failure of this rank's own making aborts the group, so that peers
+  // fail instead of waiting.
+  void fail_locally(uint64_t seq, CollectiveKind kind, Work& work, std::exception_ptr error) {
+    shared_->abort(fmt::format("rank {} failed in #{} {}: {}", rank(), seq, collective_name(kind),
+                               what_of(error)));
+    work.finish(error);
+  }
+
+  void execute_p2p(Collective& c) {
+    const int64_t start = trace_enabled() ? trace_now_us() : 0;
+    try {
+      c.ready.synchronize();
+      drain(UINT64_MAX);  // this rank's earlier collectives first, in launch order
+      run_p2p(c);
       c.work->finish();
     } catch (...) {
-      // A local failure aborts the group so that peers fail instead of waiting.
-      std::string msg;
-      try {
-        throw;
-      } catch (const std::exception& e) {
-        msg = e.what();
-      }
-      shared_->abort(fmt::format("rank {} failed in #{} {}: {}", rank(), c.entry.seq, name, msg));
-      c.work->finish(std::current_exception());
+      fail_locally(c.entry.seq, c.kind, *c.work, std::current_exception());
     }
     if (trace_enabled()) {
-      trace_complete("comm", fmt::format("{} #{}", name, c.entry.seq), start,
+      trace_complete("comm", fmt::format("{} #{}", collective_name(c.kind), c.entry.seq), start,
                      trace_now_us() - start,
                      fmt::format("\"seq\":{},\"group\":\"{}\"", c.entry.seq, options().name),
                      fmt::format("comm r{} {}", rank(), options().name));
-    }
-  }
-
-  // Meets every member (bounded; Note [Threads barrier]). On timeout the
-  // group is aborted with a report of who arrived, who did not, and this
-  // rank's ledger tail.
-  void arrive(const Collective& c, const char* phase) {
-    SharedGroup& g = *shared_;
-    auto who = [&] {
-      return fmt::format("rank {} at #{} {}", rank(), c.entry.seq, collective_name(c.kind));
-    };
-    if (g.aborted.load()) g.throw_aborted(who());
-    if (int gone = g.first_exited.load(); gone >= 0) g.throw_exited(who(), gone);
-    const uint64_t gen = g.generation.load();
-    const uint64_t entered = g.arrivals[rank()].fetch_add(1) + 1;
-    if (g.arrived.fetch_add(1) + 1 == g.size) {
-      g.arrived.store(0);  // before the release: nobody arrives at the next barrier earlier
-      g.generation.store(gen + 1);
-      if (g.sleepers.load() > 0) g.wake_barrier();
-      return;
-    }
-    // A member that exited has drained its own collectives, so it can never
-    // arrive here.
-    auto released = [&] {
-      return g.generation.load() != gen || g.aborted.load() || g.first_exited.load() >= 0;
-    };
-    const auto deadline = std::chrono::steady_clock::now() + timeout();
-    bool woken = spin_until(released);
-    while (!woken) {
-      const uint32_t seq = g.wake_seq.load();
-      const auto left = deadline - std::chrono::steady_clock::now();
-      if (left <= std::chrono::steady_clock::duration::zero()) break;
-      g.sleepers.fetch_add(1);
-      if (!released()) futex_wait(g.wake_seq, seq, left);
-      g.sleepers.fetch_sub(1);
-      woken = released();
-    }
-    if (!woken) {
-      std::lock_guard<std::mutex> lock(g.mu);
-      std::vector<int> arrived_ranks, missing_ranks;
-      for (int r = 0; r < g.size; ++r) {
-        (g.arrivals[r].load() >= entered ? arrived_ranks : missing_ranks).push_back(r);
-      }
-      std::string arrived = fmt::format("{}", fmt::join(arrived_ranks, ","));
-      std::string missing = fmt::format("{}", fmt::join(missing_ranks, ","));
-      std::string report = fmt::format(
-          "[comm::watchdog] {} waited {} ms in #{} {} ({}) for all {} ranks; arrived: [{}], "
-          "missing: [{}]. Last collectives of this rank:\n{}",
-          where(), timeout().count(), c.entry.seq, collective_name(c.kind), phase, g.size, arrived,
-          missing, ledger().tail_str(8));
-      g.abort_locked(fmt::format("rank {} timed out in #{} {} waiting for ranks [{}]", rank(),
-                                 c.entry.seq, collective_name(c.kind), missing));
-      log_error("{}", report);
-      throw TimeoutError(report);
-    }
-    if (g.generation.load() == gen) {
-      if (g.aborted.load()) g.throw_aborted(who());
-      g.throw_exited(who(), g.first_exited.load());
-    }
-  }
-
-  void check_fingerprints(const Collective& c) {
-    if (!options().checked) return;
-    SharedGroup& g = *shared_;
-    const Slot& mine = g.slots[rank()];
-    for (int r = 0; r < g.size; ++r) {
-      const Slot& other = g.slots[r];
-      if (other.fingerprint != mine.fingerprint) {
-        throw Error(fmt::format(
-            "[comm::checked] {}: collectives diverge: rank {} launched {} while rank {} launched "
-            "{} (same position in the group's launch order; check that every rank issues the "
-            "same collectives in the same order with the same shapes)",
-            where(), rank(), mine.entry.str(), r, other.entry.str()));
-      }
-    }
-  }
-
-  void run_collective(Collective& c) {
-    SharedGroup& g = *shared_;
-    Slot& s = g.slots[rank()];
-    s.kind = c.kind;
-    s.input = c.input;
-    s.output = c.output;
-    s.entry = c.entry;
-    s.fingerprint = c.entry.fingerprint();
-    s.input_splits = c.input_splits;
-    s.output_splits = c.output_splits;
-    s.root = c.peer;
-    arrive(c, "posting inputs");
-    // Whether this all_reduce is split (Note [Threads reductions]) depends
-    // only on what rank 0 posted, so every rank meets the same barriers even
-    // when checked mode is off and the ranks disagree.
-    const Slot& first = g.slots[0];
-    const bool split = g.size > 1 && first.kind == CollectiveKind::AllReduce &&
-                       first.input.nbytes() >= kSplitAllReduceBytes;
-    const bool mine_split = split && c.kind == CollectiveKind::AllReduce;
-    std::exception_ptr local;
-    try {
-      check_fingerprints(c);
-      if (mine_split) {
-        reduce_own_chunk(c);
-      } else {
-        compute(c);
-      }
-    } catch (...) {
-      local = std::current_exception();
-    }
-    if (split) {
-      // Chunks stay in the outputs until every rank has copied them.
-      arrive(c, "reducing chunks");
-      if (mine_split && !local) {
-        try {
-          copy_peer_chunks(c);
-        } catch (...) {
-          local = std::current_exception();
-        }
-      }
-    }
-    // Inputs stay posted until every rank has read them.
-    arrive(c, "reading peers");
-    s.input = Tensor();
-    s.output = Tensor();
-    if (local) std::rethrow_exception(local);
-  }
-
-  // First phase of a split all_reduce: this rank's chunk of every input,
-  // reduced into the same chunk of its output.
-  void reduce_own_chunk(Collective& c) {
-    SharedGroup& g = *shared_;
-    const int64_t count = c.input.numel();
-    for (int r = 0; r < g.size; ++r) {
-      const Slot& peer = g.slots[r];
-      // Only reachable with checked mode off; guards the reads below.
-      TANDEM_CHECK(peer.kind == CollectiveKind::AllReduce && peer.input.numel() == count &&
-                       peer.input.dtype() == c.input.dtype(),
-                   "[comm::all_reduce] {}: rank {} posted {} while rank {} all_reduces {} {} "
-                   "(checked mode is off)",
-                   where(), r, peer.entry.str(), rank(), dtype_name(c.input.dtype()),
-                   c.input.shape());
-    }
-    auto [lo, hi] = chunk_of(rank(), g.size, count);
-    if (hi <= lo) return;
-    const size_t element = c.input.element_size();
-    std::vector<const void*> inputs(static_cast<size_t>(g.size));
-    for (int r = 0; r < g.size; ++r) {
-      inputs[r] = static_cast<const char*>(g.slots[r].input.raw_data()) + lo * element;
-    }
-    reduce_ranks(c.op, c.input.dtype(), inputs,
-                 static_cast<char*>(c.output.raw_data()) + lo * element, hi - lo);
-  }
-
-  // Second phase: the other ranks' reduced chunks, from their outputs.
-  void copy_peer_chunks(Collective& c) {
-    SharedGroup& g = *shared_;
-    const int64_t count = c.output.numel();
-    const size_t element = c.output.element_size();
-    for (int r = 0; r < g.size; ++r) {
-      auto [lo, hi] = chunk_of(r, g.size, count);
-      if (r == rank() || hi <= lo) continue;
-      std::memcpy(static_cast<char*>(c.output.raw_data()) + lo * element,
-                  static_cast<const char*>(g.slots[r].output.raw_data()) + lo * element,
-                  static_cast<size_t>(hi - lo) * element);
-    }
-  }
-
-  // Reads the peers' posted inputs into c.output. Runs between the two barriers.
-  void compute(Collective& c) {
-    SharedGroup& g = *shared_;
-    auto bytes_of = [](const Tensor& t) { return t.nbytes(); };
-    switch (c.kind) {
-      case CollectiveKind::Barrier:
-        return;
-      case CollectiveKind::AllReduce: {
-        std::vector<const void*> inputs(static_cast<size_t>(g.size));
-        for (int r = 0; r < g.size; ++r)
-          inputs[r] = g.slots[r].input.raw_data();
-        reduce_ranks(c.op, c.output.dtype(), inputs, c.output.raw_data(), c.output.numel());
-        return;
-      }
-      case CollectiveKind::Broadcast: {
-        const Tensor& src = g.slots[c.peer].input;
-        std::memcpy(c.output.raw_data(), src.raw_data(), bytes_of(c.output));
-        return;
-      }
-      case CollectiveKind::AllGather: {
-        size_t chunk = bytes_of(c.input);
-        for (int r = 0; r < g.size; ++r) {
-          std::memcpy(static_cast<char*>(c.output.raw_data()) + r * chunk,
-                      g.slots[r].input.raw_data(), chunk);
-        }
-        return;
-      }
-      case CollectiveKind::ReduceScatter: {
-        const size_t offset = static_cast<size_t>(rank()) * bytes_of(c.output);
-        std::vector<const void*> inputs(static_cast<size_t>(g.size));
-        for (int r = 0; r < g.size; ++r) {
-          inputs[r] = static_cast<const char*>(g.slots[r].input.raw_data()) + offset;
-        }
-        reduce_ranks(c.op, c.output.dtype(), inputs, c.output.raw_data(), c.output.numel());
-        return;
-      }
-      case CollectiveKind::AllToAll: {
-        const int64_t row_bytes =
-            c.input.shape()[0] > 0
-                ? static_cast<int64_t>(bytes_of(c.input)) / c.input.shape()[0]
-                : static_cast<int64_t>(
-                      c.output.shape()[0] > 0 ? bytes_of(c.output) / c.output.shape()[0] : 0);
-        std::vector<int64_t> out_row(static_cast<size_t>(g.size) + 1, 0);  // prefix sums
-        for (int r = 0; r < g.size; ++r) {
-          const Slot& peer = g.slots[r];
-          TANDEM_CHECK(peer.input_splits[rank()] == c.output_splits[r],
-                       "[comm::all_to_all] {}: split sizes disagree: rank {} sends {} rows to rank "
-                       "{}, which expects {} rows from it",
-                       where(), r, peer.input_splits[rank()], rank(), c.output_splits[r]);
-          out_row[r + 1] = out_row[r] + c.output_splits[r];
-        }
-        char* out = static_cast<char*>(c.output.raw_data());
-        for (int r = 0; r < g.size; ++r) {
-          const Slot& peer = g.slots[r];
-          int64_t offset = 0;
-          for (int k = 0; k < rank(); ++k)
-            offset += peer.input_splits[k];
-          const int64_t n = c.output_splits[r] * row_bytes;
-          if (n > 0) {
-            std::memcpy(out + out_row[r] * row_bytes,
-                        static_cast<const char*>(peer.input.raw_data()) + offset * row_bytes,
-                        static_cast<size_t>(n));
-          }
-        }
-        return;
-      }
-      default:
-        unsupported(collective_name(c.kind));
     }
   }
 
@@ -718,8 +1255,46 @@ class ThreadsProcessGroup final : public ProcessGroup {
   std::shared_ptr<ThreadsWorld> world_;
   std::string key_;
   std::shared_ptr<SharedGroup> shared_;
+  const std::string where_;  // where(), read by the peers' jobs (Post::where)
   std::unique_ptr<TaskQueue> queue_;
+  uint64_t next_round_ = 0;       // under the issue lock
+  uint64_t splits_made_ = 0;      // split() calls, serialized like the base's count
+  std::atomic<int> deferred_{0};  // launches queued on the comm thread, not yet posted
+  // Rounds this rank posted that may not have retired yet, oldest first.
+  // Weak: the posts hold the Works until their rounds retire, and a Work
+  // held here would hold its output past the caller's use, enlarging the
+  // working set of a loop of collectives by a buffer per rank.
+  std::mutex outstanding_mu_;
+  std::deque<std::pair<Ticket, std::weak_ptr<Work>>> outstanding_;
 };
+
+void ThreadsWork::synchronize() {
+  if (posted_ && !Work::is_completed()) {
+    if (std::shared_ptr<ThreadsProcessGroup> group = group_.lock()) {
+      CommWaitScope waiting;
+      group->drive(ticket_, *this, true);
+    }
+  }
+  Work::synchronize();
+}
+
+bool ThreadsWork::is_completed() {
+  if (posted_ && !Work::is_completed()) {
+    if (std::shared_ptr<ThreadsProcessGroup> group = group_.lock()) {
+      group->drive(ticket_, *this, false);
+    }
+  }
+  return Work::is_completed();
+}
+
+void ThreadsWork::on_completion(std::function<void()> fn) {
+  Work::on_completion(std::move(fn));
+  if (posted_ && !Work::is_completed() && !handed_off_.exchange(true)) {
+    if (std::shared_ptr<ThreadsProcessGroup> group = group_.lock()) {
+      group->drive_on_comm_thread(ticket_, shared_from_this());
+    }
+  }
+}
 
 }  // namespace
 

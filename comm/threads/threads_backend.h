@@ -2,16 +2,18 @@
 // through shared memory (DESIGN §5). The default for the Catch2 suites and for
 // the single-machine demo.
 //
-// Each rank's group has its own comm executor (a TaskQueue thread: the "comm
-// stream"), so launches never block the caller. A collective posts the rank's
-// input in the group's shared slots, meets the other ranks at a barrier, reads
-// what it needs directly from the peers' inputs into its output, and meets
-// them again so no input is released or reused while a peer still reads it.
-// Reductions add in rank order on every rank, so results are bit-identical
-// across ranks. Every barrier and mailbox wait is bounded by the group's
-// timeout; on expiry (or when a rank fails) the group is aborted and every
-// member's pending and future collectives fail with a message naming the rank
-// and the call (Note [Bounded waits]).
+// A collective is a round of its group (Note [Threads rounds] in
+// threads_backend.cpp): launch() posts the rank's input and output without
+// waiting, and once every rank has posted, each rank's output is written
+// from the peers' inputs by whichever thread drives the round first, usually
+// the rank's own thread waiting on its Work, so a synchronous collective
+// costs no hand-off to another thread. Each rank's group keeps a comm thread
+// for launches that must wait before posting (an input on an asynchronous
+// stream) and for point-to-point batches. Reductions add in rank order on
+// every rank, so results are bit-identical across ranks. Every wait is
+// bounded by the group's timeout; on expiry (or when a rank fails) the group
+// is aborted and every member's pending and future collectives fail with a
+// message naming the rank and the call (Note [Bounded waits]).
 #pragma once
 
 #include <functional>

@@ -11,6 +11,7 @@
 #include <exception>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/threads/threads_backend.h"
@@ -301,6 +302,100 @@ TEST_CASE("unchecked mode skips the fingerprint comparison", "[checked]") {
       }
     }
   }
+}
+
+// Note [Threads rounds]: a job's error fails its own rank's Work, and the
+// rank whose job failed aborts the group, so the next collective of every
+// rank fails naming it (the other rank's Work of the round itself succeeds:
+// its own output was computed).
+TEST_CASE("a failed job aborts the group; the next collectives name the failure", "[checked]") {
+  const int world = 2;
+  Outcomes out(world), next(world);
+  run_ranks(world, [&](ProcessGroupPtr pg) {
+    const int r = pg->rank();
+    AllToAllOptions o;  // rank 0 expects 1 row from rank 1, which sends it 3
+    o.input_split_sizes = r == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{3, 1};
+    o.output_split_sizes = r == 0 ? std::vector<int64_t>{1, 1} : std::vector<int64_t>{2, 1};
+    out.record(r, [&] { pg->all_to_all_single(ops::ones({r == 0 ? 3 : 4, 2}), o)->synchronize(); });
+    next.record(r, [&] { pg->barrier()->synchronize(); });
+  });
+  REQUIRE(out.errors[0]);
+  CHECK_FALSE(out.errors[1]);
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r);
+    REQUIRE(next.errors[r]);
+    REQUIRE_THROWS_AS(std::rethrow_exception(next.errors[r]), CommAbortedError);
+    REQUIRE_THROWS_WITH(
+        std::rethrow_exception(next.errors[r]),
+        Contains("rank 0 failed in #0 all_to_all") && Contains("split sizes disagree"));
+  }
+}
+
+// A rank that only polls is_completed() gets the watchdog too (polling
+// drives the round without waiting; the deadline is the post's), and a Work
+// waited on another thread than its launcher fails there with its error.
+TEST_CASE("the watchdog fires for a poller; errors reach a waiter on another thread", "[checked]") {
+  const int world = 2;
+  const auto timeout = std::chrono::milliseconds(300);
+  Outcomes out(world);
+  run_ranks(
+      world,
+      [&](ProcessGroupPtr pg) {
+        const int r = pg->rank();
+        if (r == 1) {
+          test::sleep_ms(900);  // late: past the group's timeout
+          std::thread waiter(
+              [&] { out.record(r, [&] { pg->all_reduce(ops::ones({8}))->synchronize(); }); });
+          waiter.join();
+          return;
+        }
+        out.record(r, [&] {
+          WorkPtr w = pg->all_reduce(ops::ones({8}));
+          const Clock::time_point give_up = Clock::now() + std::chrono::seconds(20);
+          while (!w->is_completed() && Clock::now() < give_up)
+            test::sleep_ms(1);
+          w->synchronize();
+        });
+      },
+      with_timeout(timeout));
+  REQUIRE(out.errors[0]);
+  REQUIRE_THROWS_AS(std::rethrow_exception(out.errors[0]), TimeoutError);
+  REQUIRE_THROWS_WITH(std::rethrow_exception(out.errors[0]),
+                      Contains("[comm::watchdog]") && Contains("missing: [1]"));
+  CHECK(out.elapsed_ms[0] >= 0.9 * timeout.count());
+  CHECK(out.elapsed_ms[0] < 5000.0);
+  REQUIRE(out.errors[1]);
+  REQUIRE_THROWS_AS(std::rethrow_exception(out.errors[1]), CommAbortedError);
+  REQUIRE_THROWS_WITH(std::rethrow_exception(out.errors[1]), Contains("rank 0 timed out"));
+}
+
+// A rank may launch and return without waiting: its group's destructor runs
+// what is left of the round (or a waiting peer does), so the peer completes
+// normally; only the peer's next collective fails, naming the exit.
+TEST_CASE("a rank that launches and returns without waiting holds nobody up", "[checked]") {
+  const int world = 2;
+  Outcomes out(world), next(world);
+  std::vector<double> sums(world, 0.0);
+  run_ranks(
+      world,
+      [&](ProcessGroupPtr pg) {
+        const int r = pg->rank();
+        WorkPtr w = pg->all_reduce(ops::full({1000}, r + 1.0));
+        if (r == 1) return;  // never waits
+        test::sleep_ms(50);  // rank 1 has likely returned by now
+        out.record(r, [&] {
+          w->synchronize();
+          sums[r] = w->result().to_vector<float>()[999];
+        });
+        next.record(r, [&] { pg->all_reduce(ops::ones({8}))->synchronize(); });
+      },
+      with_timeout(std::chrono::seconds(20)));
+  CHECK_FALSE(out.errors[0]);
+  CHECK(sums[0] == 3.0);
+  REQUIRE(next.errors[0]);
+  REQUIRE_THROWS_WITH(std::rethrow_exception(next.errors[0]),
+                      Contains("rank 1 returned from its rank function"));
+  CHECK(next.elapsed_ms[0] < 5000.0);
 }
 
 }  // namespace

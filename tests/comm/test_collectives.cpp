@@ -13,6 +13,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/ranges.h>
@@ -564,6 +565,100 @@ TEST_CASE("Work: completion and result", "[collectives]") {
     WorkPtr b = pg->barrier();
     b->synchronize();
     if (b->result().defined()) failures.add(fmt::format("rank {}: a barrier has a result", rank));
+  });
+  REQUIRE_NO_FAILURES(failures);
+}
+
+// Note [Threads rounds]: whoever waits runs the collective, so every way of
+// observing a Work must make it complete: a wait on the launching thread or
+// on another, polling is_completed(), a completion callback alone (the comm
+// thread drives), or nothing at all (a peer's wait, or the ring wrapping).
+TEST_CASE("Work: waited anywhere, polled, observed by a callback, or dropped", "[collectives]") {
+  const int world = 4;
+  const auto give_up = std::chrono::seconds(20);
+  Failures failures;
+  run_ranks(world, [&](ProcessGroupPtr pg) {
+    const int rank = pg->rank();
+    for (int round = 0; round < 24; ++round) {
+      WorkPtr w = pg->all_gather(ops::full({1000}, rank + round), gather_along(0));
+      const auto deadline = std::chrono::steady_clock::now() + give_up;
+      try {
+        switch ((rank + round) % 5) {
+          case 0:
+            w->synchronize();
+            break;
+          case 1: {
+            std::exception_ptr error;
+            std::thread other([&] {
+              try {
+                w->synchronize();
+              } catch (...) {
+                error = std::current_exception();
+              }
+            });
+            other.join();
+            if (error) std::rethrow_exception(error);
+            break;
+          }
+          case 2:
+            while (!w->is_completed() && std::chrono::steady_clock::now() < deadline)
+              std::this_thread::yield();
+            break;
+          case 3: {
+            auto done = std::make_shared<std::atomic<bool>>(false);
+            w->on_completion([done] { done->store(true); });
+            while (!done->load() && std::chrono::steady_clock::now() < deadline)
+              test::sleep_ms(1);
+            break;
+          }
+          default:
+            w.reset();  // dropped: the other ranks' waits run this rank's part
+            continue;
+        }
+      } catch (const std::exception& e) {
+        failures.add(fmt::format("rank {} round {}: {}", rank, round, e.what()));
+        continue;
+      }
+      if (!w->is_completed()) {
+        failures.add(fmt::format("rank {} round {}: not completed", rank, round));
+        continue;
+      }
+      std::vector<double> expected;
+      for (int r = 0; r < world; ++r)
+        expected.insert(expected.end(), 1000, r + round);
+      expect_tensor(failures, rank, fmt::format("round {}", round), w->result(), {1000 * world},
+                    expected);
+    }
+  });
+  REQUIRE_NO_FAILURES(failures);
+}
+
+// More collectives in flight than a group's ring of rounds holds: launches
+// past it wait on the comm thread for their slot, in launch order, and every
+// result is right whatever order the Works are waited in.
+TEST_CASE("more collectives in flight than the ring holds", "[collectives]") {
+  const int world = 3;
+  const int count = 30;
+  Failures failures;
+  run_ranks(world, [&](ProcessGroupPtr pg) {
+    const int rank = pg->rank();
+    std::vector<WorkPtr> works;
+    for (int i = 0; i < count; ++i) {
+      works.push_back(i % 3 == 2 ? pg->all_gather(ops::full({4}, rank + i), gather_along(0))
+                                 : pg->all_reduce(ops::full({4}, rank + i)));
+    }
+    for (int i = count - 1; i >= 0; --i) {
+      works[i]->synchronize();
+      std::vector<double> expected;
+      if (i % 3 == 2) {
+        for (int r = 0; r < world; ++r)
+          expected.insert(expected.end(), 4, r + i);
+      } else {
+        expected.assign(4, world * i + world * (world - 1) / 2.0);
+      }
+      expect_tensor(failures, rank, fmt::format("collective {}", i), works[i]->result(),
+                    {static_cast<int64_t>(expected.size())}, expected);
+    }
   });
   REQUIRE_NO_FAILURES(failures);
 }

@@ -11,6 +11,8 @@
 #include <chrono>
 #include <cmath>
 #include <numeric>
+#include <string>
+#include <thread>
 
 #include "comm/backend.h"
 #include "comm/mpi/mpi_backend.h"
@@ -476,6 +478,59 @@ TEST_CASE("mpi checked mode: mismatched shapes and split lists", "[mpi]") {
   WorkPtr agreed = w->all_reduce(ops::ones(Shape{1}));
   agreed->synchronize();
   CHECK(values_of(agreed->result())[0] == w->size());
+  test::check_all_ranks_passed();
+}
+
+// Note [MPI progress]: a waiting thread runs the executor's passes itself.
+// Any thread may wait; polling drives too; a Work that nobody drives (here
+// Work::wait_finished, which only blocks) is progressed by the executor
+// thread, which launches waited right away do not wake (Note [Lazy executor
+// wake-ups]); and two threads may drive at once.
+TEST_CASE("mpi Work: waited on another thread, polled, or left to the executor", "[mpi]") {
+  ProcessGroupPtr w = world();
+  const int n = w->size(), r = w->rank();
+  for (int round = 0; round < 16; ++round) {
+    WorkPtr work = w->all_reduce(ops::full(Shape{64}, r + round));
+    std::string error;
+    switch (round % 4) {
+      case 0:
+        work->synchronize();
+        break;
+      case 1: {
+        std::thread other([&] { error = what_of(work); });
+        other.join();
+        CHECK(error == "(no error)");
+        break;
+      }
+      case 2: {
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (!work->is_completed() && std::chrono::steady_clock::now() < give_up)
+          std::this_thread::yield();
+        break;
+      }
+      default:
+        CHECK(work->wait_finished(std::chrono::seconds(20)));
+        break;
+    }
+    REQUIRE(work->is_completed());
+    CHECK(values_of(work->result())[0] == 1.0 * n * round + n * (n - 1) / 2);
+  }
+  ProcessGroupPtr a = world(true, std::chrono::seconds(30), "drivers.a");
+  ProcessGroupPtr b = world(true, std::chrono::seconds(30), "drivers.b");
+  WorkPtr wa = a->all_gather(ops::full(Shape{2}, r));
+  WorkPtr wb = b->all_gather(ops::full(Shape{3}, 10 + r));
+  std::string error_b;
+  std::thread other([&] { error_b = what_of(wb); });
+  wa->synchronize();
+  other.join();
+  CHECK(error_b == "(no error)");
+  std::vector<double> expected_a, expected_b;
+  for (int q = 0; q < n; ++q) {
+    expected_a.insert(expected_a.end(), 2, q);
+    expected_b.insert(expected_b.end(), 3, 10 + q);
+  }
+  CHECK(values_of(wa->result()) == expected_a);
+  CHECK(values_of(wb->result()) == expected_b);
   test::check_all_ranks_passed();
 }
 
