@@ -497,7 +497,7 @@ void run_rank(const TrainOptions& o, const Task& task, ProcessGroupPtr world, st
     first = resume(r);
     if (progress) progress->message(fmt::format("  resumed from '{}' at step {}", o.resume, first));
   }
-  result.first_step = first;
+  if (r.root()) result.first_step = first;  // TrainResult is rank 0's
   const Fault fault = parse_fault(o.fault);
   const optim::CosineSchedule schedule(o.lr, std::min(o.warmup, o.steps), o.steps, o.min_lr);
   const int64_t trace_first = std::min<int64_t>(first + 1, o.steps - 1);
