@@ -134,8 +134,7 @@ Index read_index(const CheckpointInfo& info) {
         global = Shape(p.at("global_shape").get<std::vector<int64_t>>());
         offsets = p.at("offsets").get<std::vector<int64_t>>();
       } catch (const Json::exception& e) {
-        TANDEM_FAIL("[checkpoint] bad piece description of '{}' in '{}': {}", name, path,
-                    e.what());
+        TANDEM_FAIL("[checkpoint] bad piece description of '{}' in '{}': {}", name, path, e.what());
       }
       TANDEM_CHECK(static_cast<int64_t>(offsets.size()) == t.dim() && global.size() == t.dim(),
                    "[checkpoint] piece '{}' in '{}': expected offsets and a global shape of rank "
@@ -170,8 +169,8 @@ void copy_overlap(const SavedBlock& saved, Tensor& dst, const std::vector<int64_
   std::vector<int64_t> lo(static_cast<size_t>(nd)), len(static_cast<size_t>(nd));
   for (int64_t d = 0; d < nd; ++d) {
     const int64_t a = std::max(dst_offsets[d], saved.offsets[d]);
-    const int64_t b = std::min(dst_offsets[d] + dst.shape()[d],
-                               saved.offsets[d] + saved.data->shape()[d]);
+    const int64_t b =
+        std::min(dst_offsets[d] + dst.shape()[d], saved.offsets[d] + saved.data->shape()[d]);
     if (b <= a) return;
     lo[d] = a;
     len[d] = b - a;
@@ -272,8 +271,11 @@ std::string save_checkpoint(const std::string& root_path, int64_t step,
     Json files = Json::array();
     for (int r = 0; r < size; ++r)
       files.push_back(fmt::format("rank-{:05d}-of-{:05d}.safetensors", r, size));
-    Json doc = {{"format", kFormat}, {"step", step}, {"world_size", size},
-                {"files", files},    {"meta", meta}};
+    Json doc = {{"format", kFormat},
+                {"step", step},
+                {"world_size", size},
+                {"files", files},
+                {"meta", meta}};
     write_text_atomically((tmp_dir / "checkpoint.json").string(), doc.dump(2) + "\n");
     fault_point("meta");
     if (fs::exists(final_dir)) fs::remove_all(final_dir);  // the same step saved again

@@ -18,8 +18,8 @@ MoELanguageModel::MoELanguageModel(const ModelConfig& config, Generator& gen)
                "[train::MoELanguageModel] expected experts > 0 and 0 < top_k <= experts, got "
                "experts {} and top_k {}",
                config.experts, config.top_k);
-  tok_emb_ = register_module("tok_emb", std::make_shared<nn::Embedding>(config.vocab,
-                                                                        config.d_model, gen, 0.02));
+  tok_emb_ = register_module(
+      "tok_emb", std::make_shared<nn::Embedding>(config.vocab, config.d_model, gen, 0.02));
   pos_emb_ = register_module(
       "pos_emb", std::make_shared<nn::Embedding>(config.max_seq, config.d_model, gen, 0.02));
   blocks_ = register_module("blocks", std::make_shared<nn::ModuleList>());
