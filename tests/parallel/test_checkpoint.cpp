@@ -16,23 +16,13 @@
 #include "tensor/ops.h"
 #include "tensor/safetensors.h"
 #include "tests/support/rank_checks.h"
+#include "tests/support/test_util.h"
 
 using namespace tandem;
+using tandem::test::TempDir;
 namespace fs = std::filesystem;
 
 namespace {
-
-// A fresh directory under the system temp dir, removed at scope exit.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           fmt::format("tandem-ckpt-{}-{}", ::getpid(), reinterpret_cast<uintptr_t>(this));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 // The whole tensors of the test state.
 Tensor whole_a() {
@@ -76,7 +66,7 @@ void save_layout(const fs::path& root, int64_t step, int parts, int dim_a) {
 }  // namespace
 
 TEST_CASE("checkpoint pieces reshard on load", "[checkpoint]") {
-  TempDir dir;
+  TempDir dir("ckpt");
   save_layout(dir.path, 3, 4, 0);  // a split by rows over 4 ranks (uneven: 6 rows)
   CheckpointInfo info = find_checkpoint(dir.path.string());
   CHECK(info.step == 3);
@@ -98,7 +88,7 @@ TEST_CASE("checkpoint pieces reshard on load", "[checkpoint]") {
 }
 
 TEST_CASE("checkpoint consolidates into whole tensors that reload", "[checkpoint]") {
-  TempDir dir;
+  TempDir dir("ckpt");
   save_layout(dir.path, 1, 3, 1);
   const std::string out = (dir.path / "whole.safetensors").string();
   consolidate_checkpoint(find_checkpoint(dir.path.string()), out);
@@ -116,7 +106,7 @@ TEST_CASE("checkpoint consolidates into whole tensors that reload", "[checkpoint
 }
 
 TEST_CASE("checkpoint errors name what is wrong", "[checkpoint]") {
-  TempDir dir;
+  TempDir dir("ckpt");
   CHECK_THROWS_WITH(
       find_checkpoint((dir.path / "nope").string()),
       Catch::Contains("expected a checkpoint directory") && Catch::Contains("got nothing"));
@@ -156,7 +146,7 @@ TEST_CASE("checkpoint errors name what is wrong", "[checkpoint]") {
 TEST_CASE("a save that dies at any stage leaves the previous checkpoint", "[checkpoint]") {
   for (const char* stage : {"files", "barrier", "meta", "renamed"}) {
     INFO("failure at " << stage);
-    TempDir dir;
+    TempDir dir("ckpt");
     save_layout(dir.path, 1, 2, 0);
     set_checkpoint_fault_hook([stage](const std::string& at) {
       if (at == stage) throw Error(std::string("injected failure at ") + at);
@@ -191,7 +181,7 @@ TEST_CASE("a save killed mid-way in a child process leaves the previous checkpoi
 #endif
   for (const char* stage : {"files", "barrier", "meta", "renamed", "latest"}) {
     INFO("killed at " << stage);
-    TempDir dir;
+    TempDir dir("ckpt");
     save_layout(dir.path, 1, 1, 0);
     const pid_t child = ::fork();
     if (child == 0) {
@@ -217,7 +207,7 @@ TEST_CASE("a save killed mid-way in a child process leaves the previous checkpoi
 }
 
 TEST_CASE("checkpoints beyond keep are pruned", "[checkpoint]") {
-  TempDir dir;
+  TempDir dir("ckpt");
   for (int64_t step : {1, 2, 3, 4}) {
     run_ranks(2, [&](ProcessGroupPtr pg) {
       save_checkpoint(dir.path.string(), step, pieces_for(pg->rank(), 2, 0), {}, pg, 2);

@@ -9,11 +9,15 @@
 
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <future>
 #include <random>
@@ -57,6 +61,27 @@ class Gate {
   std::promise<void> promise_;
   std::shared_future<void> future_;
   bool opened_ = false;
+};
+
+// A fresh directory under the system temp dir, removed with everything in it
+// at scope exit. `tag` names it (tandem-<tag>-<pid>-<n>).
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag = "test") {
+    static std::atomic<int> counter{0};
+    path = std::filesystem::temp_directory_path() /
+           ("tandem-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  std::filesystem::path path;
 };
 
 // Sets wait_timeout() for one scope (Note [Bounded waits]), restoring it on exit.

@@ -17,27 +17,18 @@
 #include "runtime/config.h"
 #include "tensor/ops.h"
 #include "tensor/safetensors.h"
+#include "tests/support/test_util.h"
 #include "tools/train/model.h"
 #include "tools/train/options.h"
 #include "tools/train/progress.h"
 #include "tools/train/trainer.h"
 
 using namespace tandem;
+using tandem::test::TempDir;
 using namespace tandem::train;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           fmt::format("tandem-train-{}-{}", ::getpid(), reinterpret_cast<uintptr_t>(this));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 // A small job that runs in well under a second per step on 2 cores.
 TrainOptions tiny() {
@@ -134,7 +125,7 @@ TEST_CASE("every parallel layout trains", "[train]") {
 }
 
 TEST_CASE("resume from a checkpoint is bit-exact", "[train][checkpoint]") {
-  TempDir dir;
+  TempDir dir("train");
   TrainOptions o = tiny();
   o.save_dir = (dir.path / "ckpt").string();
   o.save_every = 3;
@@ -152,7 +143,7 @@ TEST_CASE("resume from a checkpoint is bit-exact", "[train][checkpoint]") {
 
 TEST_CASE("a checkpoint resumes on another layout and exports whole tensors",
           "[train][checkpoint]") {
-  TempDir dir;
+  TempDir dir("train");
   TrainOptions o = tiny();
   o.steps = 4;
   o.save_dir = (dir.path / "ckpt").string();
@@ -190,7 +181,7 @@ TEST_CASE("a checkpoint resumes on another layout and exports whole tensors",
 }
 
 TEST_CASE("bad input is a clear error and overwrites nothing", "[train]") {
-  TempDir dir;
+  TempDir dir("train");
   TrainOptions o = tiny();
   o.ranks = 4;
   o.dp = 2;
@@ -315,7 +306,7 @@ TEST_CASE("progress lines: in place on a terminal, plain lines otherwise", "[tra
 }
 
 TEST_CASE("--trace writes one trace of every rank", "[train]") {
-  TempDir dir;
+  TempDir dir("train");
   TrainOptions o = tiny();
   o.steps = 3;
   o.trace = (dir.path / "trace.json").string();
@@ -377,12 +368,6 @@ int thread_count() {
   return n;
 }
 
-struct WaitTimeout {
-  std::chrono::milliseconds saved = wait_timeout();
-  explicit WaitTimeout(std::chrono::milliseconds t) { set_wait_timeout(t); }
-  ~WaitTimeout() { set_wait_timeout(saved); }
-};
-
 }  // namespace
 
 TEST_CASE("a failing rank ends the job at once with an error naming it", "[train][faults]") {
@@ -391,13 +376,13 @@ TEST_CASE("a failing rank ends the job at once with an error naming it", "[train
   // schedule and the gradient reduction. The peers are aborted, not left to
   // time out; the checkpoint saved before the fault stays intact; no thread
   // or allocation outlives the failed job.
-  WaitTimeout bound(std::chrono::seconds(20));
+  tandem::test::ScopedWaitTimeout bound(std::chrono::seconds(20));
   run_training(tiny());  // warm the process-wide singletons first
   const int threads_before = thread_count();
   const int64_t allocated_before = memory_stats(Device::cpu()).allocated_bytes;
   for (const char* kind : {"forward", "backward", "step-end"}) {
     INFO(kind);
-    TempDir dir;
+    TempDir dir("train");
     TrainOptions o = tiny();
     o.steps = 4;
     o.fault = std::string("2:2:") + kind;
