@@ -190,13 +190,14 @@ void sum_gradients(const std::vector<Param*>& params, const ProcessGroupPtr& gro
 // Global gradient norm (Note [Training layout]), then clipping.
 double clip_gradients(Rank& r) {
   const int ep = r.options.ep, tp = r.options.tp;
-  double local = 0;
+  // One host read for all parameters (a sync per parameter on a GPU otherwise).
+  Tensor sum_sq = ops::zeros({}, DType::F64, r.device);
   for (Param& p : r.params) {
     Tensor g = ops::to(grad(p.tensor), DType::F64);
-    const double sq = ops::sum(ops::mul(g, g)).item_double();
     const int copies = (p.expert ? 1 : ep) * (p.shard_dim >= 0 ? 1 : tp);
-    local += sq / copies;
+    sum_sq = ops::add(sum_sq, ops::div(ops::sum(ops::mul(g, g)), static_cast<double>(copies)));
   }
+  const double local = sum_sq.item_double();
   double total = local;
   if (r.model_group->size() > 1) {
     WorkPtr w =
