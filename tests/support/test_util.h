@@ -81,6 +81,16 @@ class TempDir {
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
 
+  // The path of `name` inside the directory.
+  std::string file(const std::string& name) const { return (path / name).string(); }
+  // The names of the entries in the directory.
+  std::vector<std::string> entries() const {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(path))
+      names.push_back(e.path().filename().string());
+    return names;
+  }
+
   std::filesystem::path path;
 };
 

@@ -45,32 +45,6 @@ const DType kAllDTypes[] = {DType::F32, DType::F64, DType::BF16, DType::F16,
 
 using Bytes = std::vector<uint8_t>;
 
-// A fresh directory, removed with everything in it at scope exit.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("tandem-interop-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  std::vector<std::string> entries() const {
-    std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(path_))
-      names.push_back(e.path().filename().string());
-    return names;
-  }
-
- private:
-  fs::path path_;
-};
-
 Bytes read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return Bytes(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
@@ -170,7 +144,7 @@ TEST_CASE("crc32c matches the published check values on both paths", "[interop][
 
 TEST_CASE("safetensors round trip of every dtype, 0-dim and empty tensors",
           "[interop][safetensors]") {
-  TempDir dir;
+  TempDir dir("interop");
   std::vector<std::pair<std::string, Tensor>> tensors;
   uint32_t seed = 1;
   for (DType dtype : kAllDTypes) {
@@ -248,7 +222,7 @@ TEST_CASE("a safetensors file assembled by hand loads with the right values",
                              R"("__metadata__":{"format":"pt"}})";
   Bytes bytes = assemble(header, data);
 
-  TempDir dir;
+  TempDir dir("interop");
   write_file(dir.file("hand.safetensors"), bytes);
   for (const SafetensorsFile& file : {parse_safetensors(bytes.data(), bytes.size()),
                                       load_safetensors(dir.file("hand.safetensors"))}) {
@@ -529,7 +503,7 @@ TEST_CASE("every truncation and every bit flip of a tandem file is detected",
 }
 
 TEST_CASE("load_safetensors reads files and names them in errors", "[interop][safetensors]") {
-  TempDir dir;
+  TempDir dir("interop");
   REQUIRE_THROWS_WITH(
       load_safetensors(dir.file("missing.safetensors")),
       Contains("expected to open " + dir.file("missing.safetensors")) && Contains("No such file"));
@@ -568,7 +542,7 @@ TEST_CASE("save_safetensors rejects what the format cannot hold", "[interop][saf
 
 TEST_CASE("an atomic write that fails leaves the previous file and no temporary",
           "[interop][safetensors]") {
-  TempDir dir;
+  TempDir dir("interop");
   const std::string path = dir.file("ckpt.safetensors");
   save_safetensors(path, {{"v", tensor_of({1, 2, 3}, {3})}});
   const Bytes before = read_file(path);
