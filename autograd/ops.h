@@ -62,6 +62,8 @@ Tensor sigmoid(const Tensor& a);
 Tensor relu(const Tensor& a);
 Tensor gelu(const Tensor& a);
 Tensor silu(const Tensor& a);
+// silu(a) * b as one fused op (the SwiGLU gate); a and b of one shape and dtype.
+Tensor swiglu(const Tensor& a, const Tensor& b);
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
 Tensor where(const Tensor& cond, const Tensor& a, double b);
 using ops::eq;

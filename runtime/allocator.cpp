@@ -1,8 +1,11 @@
 #include "runtime/allocator.h"
 
+#include <atomic>
 #include <cstdlib>
+#include <iterator>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -24,6 +27,123 @@ size_t round_size(size_t n) {
   return (n + step - 1) / step * step;
 }
 
+// Note [Allocator fast path]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every tensor op allocates its output, so the allocator's bookkeeping is part
+// of the per-op overhead that tandem-bench autograd measures against LibTorch
+// (it was ~40% of a tiny op: a std::mutex, and a node allocated and freed in
+// an unordered_map of live blocks and in a multimap of free blocks per call).
+// Here a call touches no heap memory once the cache is warm:
+// - live blocks sit in an open-addressing table keyed by pointer (linear
+//   probing, backward-shift deletion), so insert and erase never allocate;
+// - free blocks sit in per-size stacks (one per 512-byte step up to 1 MiB,
+//   and a map of stacks for the few larger sizes), reused LIFO;
+// - the lock is a test-and-test-and-set spinlock: every critical section is a
+//   few dozen instructions, and a waiter yields after a short spin;
+// - the streams a block was recorded on (record_stream, CUDA only) live in a
+//   side map that is empty on CPU.
+class SpinLock {
+ public:
+  void lock() {
+    for (int spins = 0; flag_.exchange(true, std::memory_order_acquire); ++spins) {
+      while (flag_.load(std::memory_order_relaxed)) {
+        if (++spins > 64) std::this_thread::yield();
+      }
+    }
+  }
+  void unlock() { flag_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> flag_{false};
+};
+
+// Live blocks by pointer (Note [Allocator fast path]).
+class LiveTable {
+ public:
+  struct Entry {
+    void* ptr = nullptr;
+    size_t size = 0;
+    uint64_t pool = 0;
+  };
+
+  LiveTable() : slots_(64) {}
+
+  void insert(void* ptr, size_t size, uint64_t pool) {
+    if (2 * (count_ + 1) > slots_.size()) grow();
+    place({ptr, size, pool});
+    ++count_;
+  }
+
+  Entry* find(void* ptr) {
+    for (size_t i = home(ptr);; i = next(i)) {
+      if (slots_[i].ptr == ptr) return &slots_[i];
+      if (slots_[i].ptr == nullptr) return nullptr;
+    }
+  }
+
+  // Removes `ptr` into `out`; false when it is not live.
+  bool erase(void* ptr, Entry& out) {
+    size_t i = home(ptr);
+    for (;; i = next(i)) {
+      if (slots_[i].ptr == ptr) break;
+      if (slots_[i].ptr == nullptr) return false;
+    }
+    out = slots_[i];
+    // Backward-shift: move later entries of the probe run into the hole.
+    for (size_t j = next(i);; j = next(j)) {
+      if (slots_[j].ptr == nullptr) break;
+      const size_t h = home(slots_[j].ptr);
+      const bool movable = (j > i) ? (h <= i || h > j) : (h <= i && h > j);
+      if (movable) {
+        slots_[i] = slots_[j];
+        i = j;
+      }
+    }
+    slots_[i] = Entry{};
+    --count_;
+    return true;
+  }
+
+ private:
+  size_t home(void* ptr) const {
+    const uint64_t h = (reinterpret_cast<uintptr_t>(ptr) >> 6) * 0x9e3779b97f4a7c15ull;
+    return static_cast<size_t>(h >> 32) & (slots_.size() - 1);
+  }
+  size_t next(size_t i) const { return (i + 1) & (slots_.size() - 1); }
+  void place(const Entry& e) {
+    size_t i = home(e.ptr);
+    while (slots_[i].ptr != nullptr)
+      i = next(i);
+    slots_[i] = e;
+  }
+  void grow() {
+    std::vector<Entry> old(slots_.size() * 2);
+    old.swap(slots_);
+    for (const Entry& e : old) {
+      if (e.ptr != nullptr) place(e);
+    }
+  }
+
+  std::vector<Entry> slots_;  // a power of two
+  size_t count_ = 0;
+};
+
+// Free blocks of one pool by rounded size (Note [Allocator fast path]).
+struct FreeLists {
+  std::vector<std::vector<void*>> small{kSmall / kSmallRound + 1};
+  std::map<size_t, std::vector<void*>> large;
+  std::vector<void*>& at(size_t size) {
+    return size <= kSmall ? small[size / kSmallRound] : large[size];
+  }
+  template <class F>
+  void for_each(F&& f) {
+    for (auto& list : small)
+      f(list);
+    for (auto& [size, list] : large)
+      f(list);
+  }
+};
+
 // Note [Caching allocator].
 class CachingAllocator final : public Allocator {
  public:
@@ -34,9 +154,9 @@ class CachingAllocator final : public Allocator {
   void* allocate(size_t nbytes, const Stream& stream) override {
     size_t size = round_size(nbytes);
     uint64_t pool = pool_of(stream);
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<SpinLock> lock(mu_);
     ++stats_.num_allocs;
-    process_pending();
+    if (!pending_.empty()) process_pending();
     void* ptr = take_cached(pool, size);
     if (ptr == nullptr) {
       ptr = raw_.alloc(size, device_.index());
@@ -52,7 +172,7 @@ class CachingAllocator final : public Allocator {
       stats_.reserved_bytes += static_cast<int64_t>(size);
       stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
     }
-    live_[ptr] = Block{size, pool, {}};
+    live_.insert(ptr, size, pool);
     stats_.allocated_bytes += static_cast<int64_t>(size);
     stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
     return ptr;
@@ -60,60 +180,57 @@ class CachingAllocator final : public Allocator {
 
   void deallocate(void* ptr) override {
     if (ptr == nullptr) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = live_.find(ptr);
-    TANDEM_INTERNAL_ASSERT(it != live_.end(), "deallocate of a pointer not from this allocator");
-    Block block = std::move(it->second);
-    live_.erase(it);
+    std::lock_guard<SpinLock> lock(mu_);
+    LiveTable::Entry block;
+    TANDEM_INTERNAL_ASSERT(live_.erase(ptr, block),
+                           "deallocate of a pointer not from this allocator");
     stats_.allocated_bytes -= static_cast<int64_t>(block.size);
-    if (block.users.empty()) {
-      pools_[block.pool].emplace(block.size, ptr);
+    auto users = users_.empty() ? users_.end() : users_.find(ptr);
+    if (users == users_.end()) {
+      lists(block.pool).at(block.size).push_back(ptr);
       return;
     }
     Pending pending{ptr, block.size, block.pool, {}};
-    for (const Stream& s : block.users) {
+    for (const Stream& s : users->second) {
       Event e;
       e.record(s);
       pending.events.push_back(std::move(e));
     }
+    users_.erase(users);
     pending_.push_back(std::move(pending));
   }
 
   void record_stream(void* ptr, const Stream& stream) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = live_.find(ptr);
-    TANDEM_CHECK(it != live_.end(),
+    std::lock_guard<SpinLock> lock(mu_);
+    LiveTable::Entry* block = live_.find(ptr);
+    TANDEM_CHECK(block != nullptr,
                  "[runtime::record_stream] expected a live block of this allocator, got {}", ptr);
-    if (pool_of(stream) == it->second.pool) return;
-    for (const Stream& s : it->second.users) {
+    if (pool_of(stream) == block->pool) return;
+    std::vector<Stream>& users = users_[ptr];
+    for (const Stream& s : users) {
       if (s == stream) return;
     }
-    it->second.users.push_back(stream);
+    users.push_back(stream);
   }
 
   MemoryStats stats() const override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<SpinLock> lock(mu_);
     return stats_;
   }
 
   void reset_peak() override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<SpinLock> lock(mu_);
     stats_.peak_allocated_bytes = stats_.allocated_bytes;
     stats_.peak_reserved_bytes = stats_.reserved_bytes;
   }
 
   void empty_cache() override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<SpinLock> lock(mu_);
     process_pending();
     release_cached();
   }
 
  private:
-  struct Block {
-    size_t size;
-    uint64_t pool;
-    std::vector<Stream> users;  // streams other than the allocating one
-  };
   struct Pending {
     void* ptr;
     size_t size;
@@ -123,13 +240,17 @@ class CachingAllocator final : public Allocator {
 
   uint64_t pool_of(const Stream& stream) const { return stream_aware_ ? stream.id() : 0; }
 
+  FreeLists& lists(uint64_t pool) {
+    if (pool == 0) return pool0_;
+    return pools_[pool];
+  }
+
   void* take_cached(uint64_t pool, size_t size) {
-    auto p = pools_.find(pool);
-    if (p == pools_.end()) return nullptr;
-    auto it = p->second.find(size);
-    if (it == p->second.end()) return nullptr;
-    void* ptr = it->second;
-    p->second.erase(it);
+    if (pool != 0 && pools_.find(pool) == pools_.end()) return nullptr;
+    std::vector<void*>& list = lists(pool).at(size);
+    if (list.empty()) return nullptr;
+    void* ptr = list.back();
+    list.pop_back();
     return ptr;
   }
 
@@ -139,7 +260,7 @@ class CachingAllocator final : public Allocator {
       for (const Event& e : pending_[i].events)
         done = done && e.query();
       if (done) {
-        pools_[pending_[i].pool].emplace(pending_[i].size, pending_[i].ptr);
+        lists(pending_[i].pool).at(pending_[i].size).push_back(pending_[i].ptr);
         pending_[i] = std::move(pending_.back());
         pending_.pop_back();
       } else {
@@ -149,21 +270,41 @@ class CachingAllocator final : public Allocator {
   }
 
   void release_cached() {
-    for (auto& [pool, blocks] : pools_) {
-      for (auto& [size, ptr] : blocks) {
-        raw_.free(ptr, device_.index());
-        stats_.reserved_bytes -= static_cast<int64_t>(size);
-      }
-      blocks.clear();
+    auto release = [&](FreeLists& lists) {
+      lists.for_each([&](std::vector<void*>& list) {
+        for (void* ptr : list) {
+          raw_.free(ptr, device_.index());
+        }
+        list.clear();
+      });
+      for (auto it = lists.large.begin(); it != lists.large.end();)
+        it = it->second.empty() ? lists.large.erase(it) : std::next(it);
+    };
+    // The reserved bytes of a free block are its rounded size: recount them.
+    auto freed_bytes = [](FreeLists& lists) {
+      int64_t bytes = 0;
+      for (size_t i = 0; i < lists.small.size(); ++i)
+        bytes += static_cast<int64_t>(i * kSmallRound * lists.small[i].size());
+      for (auto& [size, list] : lists.large)
+        bytes += static_cast<int64_t>(size * list.size());
+      return bytes;
+    };
+    stats_.reserved_bytes -= freed_bytes(pool0_);
+    release(pool0_);
+    for (auto& [pool, lists] : pools_) {
+      stats_.reserved_bytes -= freed_bytes(lists);
+      release(lists);
     }
   }
 
   Device device_;
   RawMemory raw_;
   bool stream_aware_;
-  mutable std::mutex mu_;
-  std::unordered_map<void*, Block> live_;
-  std::unordered_map<uint64_t, std::multimap<size_t, void*>> pools_;
+  mutable SpinLock mu_;
+  LiveTable live_;
+  FreeLists pool0_;                                       // the only pool without stream awareness
+  std::unordered_map<uint64_t, FreeLists> pools_;         // other streams' pools (CUDA)
+  std::unordered_map<void*, std::vector<Stream>> users_;  // record_stream; empty on CPU
   std::vector<Pending> pending_;
   MemoryStats stats_;
 };

@@ -52,6 +52,17 @@ struct GemmArgs {
   float alpha = 1.0f, beta = 0.0f;
 };
 
+// One scaled dot-product attention call over BHSD layouts (the options of
+// ops::scaled_dot_product_attention, resolved): query head h uses kv head
+// h / (heads_q / heads_kv); with `causal`, query i sees keys j with
+// k_offset + j <= q_offset + i.
+struct AttentionArgs {
+  int64_t batch = 0, heads_q = 0, heads_kv = 0, seq_q = 0, seq_k = 0, dim = 0;
+  double scale = 1.0;
+  bool causal = false;
+  int64_t q_offset = 0, k_offset = 0;
+};
+
 // Declares one backend's kernels; each backend's namespace gets the same list.
 // CUDA versions take the stream (a cudaStream_t) as their last argument.
 #define TANDEM_DECLARE_KERNELS(...)                                                               \
@@ -86,6 +97,28 @@ struct GemmArgs {
                   const TensorArg& rstd __VA_ARGS__);                                             \
   void rms_norm(const TensorArg& x, const TensorArg& weight, double eps, int64_t rows, int64_t d, \
                 const TensorArg& out, const TensorArg& rstd __VA_ARGS__);                         \
+  /* gradients of layer_norm (mean.data != nullptr) or rms_norm (mean.data == nullptr) from       \
+     the saved f32 statistics: dy, x, dx (rows, d) contiguous in x's dtype; weight (d) or         \
+     data == nullptr; dweight, dbias (d) in acc dtype (f64 for f64, else f32) or nullptr */       \
+  void norm_backward(const TensorArg& dy, const TensorArg& x, const TensorArg& weight,            \
+                     const TensorArg& mean, const TensorArg& rstd, int64_t rows, int64_t d,       \
+                     const TensorArg& dx, const TensorArg& dweight,                               \
+                     const TensorArg& dbias __VA_ARGS__);                                         \
+  /* out = silu(a) * b; a, b, out contiguous of one shape and floating dtype */                   \
+  void swiglu(const TensorArg& a, const TensorArg& b, const TensorArg& out __VA_ARGS__);          \
+  /* da = g * b * silu'(a), db = g * silu(a); all contiguous of one shape and dtype */            \
+  void swiglu_backward(const TensorArg& a, const TensorArg& b, const TensorArg& g,                \
+                       const TensorArg& da, const TensorArg& db __VA_ARGS__);                     \
+  /* q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), out (B, Hq, Sq, D): f32 or f64, any strides       \
+     with unit stride along D; lse f32 (B, Hq, Sq) contiguous; Sq, Sk, D > 0 */                   \
+  void attention(const AttentionArgs& args, const TensorArg& q, const TensorArg& k,               \
+                 const TensorArg& v, const TensorArg& out, const TensorArg& lse __VA_ARGS__);     \
+  /* as attention, plus dout like out; dq, dk, dv of q's, k's, v's shape, any strides with        \
+     unit stride along D; lse may come from a larger computation (ring attention) */              \
+  void attention_backward(const AttentionArgs& args, const TensorArg& q, const TensorArg& k,      \
+                          const TensorArg& v, const TensorArg& out, const TensorArg& lse,         \
+                          const TensorArg& dout, const TensorArg& dq, const TensorArg& dk,        \
+                          const TensorArg& dv __VA_ARGS__);                                       \
   void gemm(const GemmArgs& args __VA_ARGS__);                                                    \
   /* in (outer, n, inner) contiguous, index i64 (k) in [0, n); out (outer, k, inner) */           \
   void index_select(const TensorArg& in, int64_t outer, int64_t n, int64_t inner,                 \

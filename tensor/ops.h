@@ -24,6 +24,13 @@ struct NormResult {
   Tensor rstd;  // (rows) f32
 };
 
+// Gradients of a normalisation (ops::norm_backward); undefined when not asked for.
+struct NormGrads {
+  Tensor dx;       // x's shape and dtype
+  Tensor dweight;  // (D), weight's dtype
+  Tensor dbias;    // (D), x's dtype (layer_norm only)
+};
+
 struct AttentionOptions {
   bool causal = false;
   int64_t q_offset = 0;
@@ -40,6 +47,7 @@ namespace ops {
 
 using tandem::AttentionOptions;
 using tandem::AttentionResult;
+using tandem::NormGrads;
 using tandem::NormResult;
 
 // ---- factories ----
@@ -129,6 +137,10 @@ Tensor sigmoid(const Tensor& a);
 Tensor relu(const Tensor& a);
 Tensor gelu(const Tensor& a);  // tanh approximation (GPT-2, llm.c)
 Tensor silu(const Tensor& a);
+// silu(a) * b in one pass (the SwiGLU gate); a and b of one shape and dtype.
+Tensor swiglu(const Tensor& a, const Tensor& b);
+// The gradients (da, db) of swiglu(a, b) for the output gradient g.
+std::pair<Tensor, Tensor> swiglu_backward(const Tensor& a, const Tensor& b, const Tensor& g);
 // Comparisons return bool tensors.
 Tensor eq(const Tensor& a, const Tensor& b);
 Tensor ne(const Tensor& a, const Tensor& b);
@@ -178,6 +190,12 @@ Tensor matmul(const Tensor& a, const Tensor& b);
 // weight/bias: (D) or undefined.
 NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
 NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
+// Gradients of layer_norm (mean defined) or rms_norm (mean undefined) from the
+// output gradient dy and the statistics the forward returned, in one kernel.
+// dweight (when weight is defined and want_dweight) and dbias (when want_dbias;
+// layer_norm only) are sums over the rows.
+NormGrads norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                        const Tensor& rstd, bool want_dweight, bool want_dbias);
 
 // ---- indexing ----
 Tensor embedding(const Tensor& weight, const Tensor& indices);           // (V, D)[idx] -> (*idx, D)
@@ -200,13 +218,25 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
 // heads: query head h uses kv head h / (Hq / Hkv)). With `causal`, query at
 // global position q_offset + i attends to keys at global positions
 // k_offset + j <= q_offset + i (positions matter when the sequence is sharded).
+// One fused kernel per device (Note [Fused CPU attention] in
+// tensor/cpu/attention.cpp); `out` is a (B, Hq, Sq, D) view of a (B, Sq, Hq, D)
+// contiguous buffer, so that merging the heads back is free.
 AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const AttentionOptions& options = {});
+// The gradients {dq, dk, dv} of attention from its inputs, output, f32
+// log-sum-exp and output gradient. `lse` may come from a larger computation
+// (ring attention passes the final one for each block): P = exp(S - lse) is
+// recomputed from it; rows with lse = -inf get P = 0.
+std::vector<Tensor> scaled_dot_product_attention_backward(const Tensor& q, const Tensor& k,
+                                                          const Tensor& v, const Tensor& out,
+                                                          const Tensor& lse, const Tensor& dout,
+                                                          const AttentionOptions& options = {});
 
 // ---- utilities ----
 bool allclose(const Tensor& a, const Tensor& b, double rtol = 1e-5, double atol = 1e-8);
 bool equal(const Tensor& a, const Tensor& b);  // same shape and identical values
-// Threads used by CPU matrix products (OpenBLAS); default 1.
+// Threads used by the CPU kernels (matrix products, attention, normalisation,
+// large elementwise ops: Note [CPU kernel threads]); default 1.
 void set_num_threads(int n);
 int num_threads();
 

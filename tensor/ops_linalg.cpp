@@ -8,9 +8,9 @@
 #include <cblas.h>
 
 #include <algorithm>
-#include <atomic>
 #include <mutex>
 
+#include "tensor/cpu/parallel.h"
 #include "tensor/dispatch.h"
 #include "tensor/ops.h"
 
@@ -42,13 +42,12 @@ MatrixOperand as_matrix(const Tensor& t) {
   return {c, false, cols};
 }
 
-std::atomic<int> blas_threads{1};
-
-// OpenBLAS starts with one thread per core; tandem's documented default is 1
-// (Note [BLAS threads] in tensor/meson.build), applied before the first product.
+// OpenBLAS starts with one thread per core. It always runs single-threaded
+// inside the CPU kernels' own chunks (Note [CPU kernel threads] in
+// tensor/cpu/parallel.h), applied before the first product.
 void apply_default_threads() {
   static std::once_flag once;
-  std::call_once(once, [] { openblas_set_num_threads(blas_threads.load()); });
+  std::call_once(once, [] { openblas_set_num_threads(1); });
 }
 
 }  // namespace
@@ -56,12 +55,11 @@ void apply_default_threads() {
 void set_num_threads(int n) {
   TANDEM_CHECK(n >= 1, "[tensor::set_num_threads] expected n >= 1, got {}", n);
   apply_default_threads();
-  blas_threads = n;
-  openblas_set_num_threads(n);
+  cpu::set_num_threads(n);
 }
 
 int num_threads() {
-  return blas_threads.load();
+  return cpu::num_threads();
 }
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in) {

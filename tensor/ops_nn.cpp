@@ -6,8 +6,8 @@
 // (outer, n, inner) layout tensor/kernels.h describes and dispatch. Index
 // values are checked by the kernels (they are data). Every dispatch passes the
 // tensors its kernel touches (Note [Kernel closures keep storage alive]).
-// cross_entropy and scaled_dot_product_attention are compositions of other
-// ops, so they run on any device that has those ops.
+// cross_entropy is a composition of other ops, so it runs on any device that
+// has those ops; attention and the norm backward are fused kernels.
 #include <cmath>
 #include <limits>
 
@@ -93,6 +93,58 @@ int check_sort_input(const Tensor& t, int64_t dim, const char* op) {
   return wrap_dim(dim, t.dim(), op);
 }
 
+// Attention operands: 4-D, k and v alike, one dtype and device, grouped heads.
+void check_attention_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) {
+  check_defined(q, op, "q");
+  check_defined(k, op, "k");
+  check_defined(v, op, "v");
+  TANDEM_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+               "[tensor::{}] expected 4-D (B, H, S, D) q, k and v, got q={}, k={}, v={}", op,
+               q.shape(), k.shape(), v.shape());
+  TANDEM_CHECK(k.shape() == v.shape(), "[tensor::{}] expected k and v of one shape, got k={}, v={}",
+               op, k.shape(), v.shape());
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3), Hkv = k.size(1);
+  TANDEM_CHECK(k.size(0) == B && k.size(3) == D,
+               "[tensor::{}] expected q and k with the same B and D, got q={}, k={}", op, q.shape(),
+               k.shape());
+  TANDEM_CHECK(Hkv > 0 && Hq % Hkv == 0,
+               "[tensor::{}] expected Hq divisible by Hkv, got Hq={}, Hkv={} (q={}, k={})", op, Hq,
+               Hkv, q.shape(), k.shape());
+  TANDEM_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(),
+               "[tensor::{}] expected q, k and v of one dtype, got {}, {} and {}", op,
+               dtype_name(q.dtype()), dtype_name(k.dtype()), dtype_name(v.dtype()));
+  TANDEM_CHECK(is_floating(q.dtype()), "[tensor::{}] expected floating q, k and v, got {}", op,
+               dtype_name(q.dtype()));
+  check_same_device(q, k, op, "q", "k");
+  check_same_device(q, v, op, "q", "v");
+}
+
+// The attention kernels read rows along D with unit stride (any other strides).
+Tensor unit_stride_last(const Tensor& t) {
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : contiguous(t);
+}
+
+// (B, S, H, D) storage seen as (B, H, S, D).
+Tensor heads_view(const Tensor& bshd) {
+  return transpose(bshd, 1, 2);
+}
+
+AttentionArgs attention_args(const Tensor& q, const Tensor& k, const AttentionOptions& options,
+                             double scale) {
+  AttentionArgs a;
+  a.batch = q.size(0);
+  a.heads_q = q.size(1);
+  a.heads_kv = k.size(1);
+  a.seq_q = q.size(2);
+  a.seq_k = k.size(2);
+  a.dim = q.size(3);
+  a.scale = scale;
+  a.causal = options.causal;
+  a.q_offset = options.q_offset;
+  a.k_offset = options.k_offset;
+  return a;
+}
+
 }  // namespace
 
 // ---- normalisation ----
@@ -138,6 +190,55 @@ NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   detail::dispatch(
       dev, [=] { cpu::rms_norm(xa, wa, eps, rows, d, oa, ra); },
       [=](void* s) { cuda::rms_norm(xa, wa, eps, rows, d, oa, ra, s); }, xc, wc, r.out, r.rstd);
+  return r;
+}
+
+NormGrads norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                        const Tensor& rstd, bool want_dweight, bool want_dbias) {
+  constexpr const char* op = "norm_backward";
+  check_norm_input(x, op);
+  check_norm_param(weight, x, op, "weight");
+  check_defined(dy, op, "dy");
+  check_defined(rstd, op, "rstd");
+  TANDEM_CHECK(dy.shape() == x.shape(), "[tensor::{}] expected dy of x's shape {}, got {}", op,
+               x.shape(), dy.shape());
+  check_same_device(x, dy, op, "x", "dy");
+  const int64_t d = x.size(-1);
+  const int64_t rows = around(x.shape(), x.dim() - 1).outer;
+  auto check_stat = [&](const Tensor& t, const char* name) {
+    TANDEM_CHECK(t.dtype() == DType::F32 && t.numel() == rows,
+                 "[tensor::{}] expected {} as {} f32 values (x={}), got {} {}", op, name, rows,
+                 x.shape(), dtype_name(t.dtype()), t.shape());
+    check_same_device(x, t, op, "x", name);
+  };
+  check_stat(rstd, "rstd");
+  if (mean.defined()) check_stat(mean, "mean");
+  TANDEM_CHECK(!want_dbias || mean.defined(),
+               "[tensor::{}] expected mean (layer_norm) when a bias gradient is asked for", op);
+  const Device dev = x.device();
+  const DType acc = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  NormGrads r;
+  r.dx = empty(x.shape(), x.dtype(), dev);
+  Tensor dw = want_dweight && weight.defined() ? empty({d}, acc, dev) : Tensor();
+  Tensor db = want_dbias ? empty({d}, acc, dev) : Tensor();
+  if (x.numel() == 0) {
+    if (dw.defined()) fill_(dw, 0.0);
+    if (db.defined()) fill_(db, 0.0);
+  } else {
+    const Tensor xc = contiguous(x), gc = contiguous(cast_if_needed(dy, x.dtype()));
+    const Tensor wc = weight.defined() ? contiguous(weight) : Tensor();
+    const Tensor mc = mean.defined() ? contiguous(mean) : Tensor();
+    const Tensor rc = contiguous(rstd);
+    const TensorArg ga = arg_of(gc), xa = arg_of(xc), wa = optional_arg(wc), ma = optional_arg(mc),
+                    ra = arg_of(rc), dxa = arg_of(r.dx), dwa = optional_arg(dw),
+                    dba = optional_arg(db);
+    detail::dispatch(
+        dev, [=] { cpu::norm_backward(ga, xa, wa, ma, ra, rows, d, dxa, dwa, dba); },
+        [=](void* s) { cuda::norm_backward(ga, xa, wa, ma, ra, rows, d, dxa, dwa, dba, s); }, gc,
+        xc, wc, mc, rc, r.dx, dw, db);
+  }
+  if (dw.defined()) r.dweight = cast_if_needed(dw, weight.dtype());
+  if (db.defined()) r.dbias = cast_if_needed(db, x.dtype());
   return r;
 }
 
@@ -358,30 +459,9 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
 
 AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const AttentionOptions& options) {
-  constexpr const char* op = "scaled_dot_product_attention";
-  check_defined(q, op, "q");
-  check_defined(k, op, "k");
-  check_defined(v, op, "v");
-  TANDEM_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-               "[tensor::{}] expected 4-D (B, H, S, D) q, k and v, got q={}, k={}, v={}", op,
-               q.shape(), k.shape(), v.shape());
-  TANDEM_CHECK(k.shape() == v.shape(), "[tensor::{}] expected k and v of one shape, got k={}, v={}",
-               op, k.shape(), v.shape());
+  check_attention_inputs(q, k, v, "scaled_dot_product_attention");
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), Sk = k.size(2);
-  TANDEM_CHECK(k.size(0) == B && k.size(3) == D,
-               "[tensor::{}] expected q and k with the same B and D, got q={}, k={}", op, q.shape(),
-               k.shape());
-  TANDEM_CHECK(Hkv > 0 && Hq % Hkv == 0,
-               "[tensor::{}] expected Hq divisible by Hkv, got Hq={}, Hkv={} (q={}, k={})", op, Hq,
-               Hkv, q.shape(), k.shape());
-  TANDEM_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(),
-               "[tensor::{}] expected q, k and v of one dtype, got {}, {} and {}", op,
-               dtype_name(q.dtype()), dtype_name(k.dtype()), dtype_name(v.dtype()));
-  TANDEM_CHECK(is_floating(q.dtype()), "[tensor::{}] expected floating q, k and v, got {}", op,
-               dtype_name(q.dtype()));
-  check_same_device(q, k, op, "q", "k");
-  check_same_device(q, v, op, "q", "v");
+  const int64_t Sk = k.size(2);
   const Device dev = q.device();
   const double scale =
       options.scale.value_or(D > 0 ? 1.0 / std::sqrt(static_cast<double>(D)) : 1.0);
@@ -392,39 +472,120 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
     r.lse = full({B, Hq, Sq}, kNegInf, DType::F32, dev);
     return r;
   }
-  // Softmax and both products run in f32 for 16-bit inputs (f64 for f64), with
-  // one rounding of the output at the end.
+  // The kernel runs in f32 for 16-bit inputs (f64 for f64), with one rounding
+  // of the output at the end.
   const DType ct = q.dtype() == DType::F64 ? DType::F64 : DType::F32;
-  // Grouped-query heads: query head h = g_kv * G + g uses kv head g_kv. Folding
-  // the G query heads of a group into the rows of one product,
-  // (B, Hkv, G * Sq, D) @ (B, Hkv, D, Sk), shares each kv head without copying it.
-  const int64_t G = Hq / Hkv;
-  const Tensor qg = reshape(cast_if_needed(q, ct), {B, Hkv, G * Sq, D});
-  const Tensor kc = cast_if_needed(k, ct);
-  const Tensor vc = cast_if_needed(v, ct);
-  Tensor scores = reshape(mul(matmul(qg, transpose(kc, -2, -1)), scale), {B, Hq, Sq, Sk});
-  if (options.causal) {
-    // Global positions: query i sits at q_offset + i, key j at k_offset + j.
-    const double q0 = static_cast<double>(options.q_offset);
-    const double k0 = static_cast<double>(options.k_offset);
-    const Tensor qpos =
-        unsqueeze(arange(q0, q0 + static_cast<double>(Sq), 1.0, DType::I64, dev), 1);
-    const Tensor kpos =
-        unsqueeze(arange(k0, k0 + static_cast<double>(Sk), 1.0, DType::I64, dev), 0);
-    scores = where(le(kpos, qpos), scores, kNegInf);  // (Sq, Sk) broadcast over (B, Hq)
-  }
-  // Softmax by hand to get the log-sum-exp too. A row with no visible key has
-  // max -inf: shift it by 0 instead, so its exps are 0, its sum 0 and its lse
-  // log(0) = -inf; its probabilities divide by 1 and stay 0.
-  const Tensor row_max = amax(scores, {-1}, true);
-  const Tensor shift = where(ne(row_max, kNegInf), row_max, 0.0);
-  const Tensor e = exp(sub(scores, shift));
-  const Tensor denom = sum(e, {-1}, true);
-  const Tensor probs = div(e, where(gt(denom, 0.0), denom, 1.0));
-  r.lse = cast_if_needed(squeeze(add(log(denom), shift), -1), DType::F32);
-  const Tensor out = matmul(reshape(probs, {B, Hkv, G * Sq, Sk}), vc);
-  r.out = cast_if_needed(reshape(out, {B, Hq, Sq, D}), q.dtype());
+  const Tensor qc = unit_stride_last(cast_if_needed(q, ct));
+  const Tensor kc = unit_stride_last(cast_if_needed(k, ct));
+  const Tensor vc = unit_stride_last(cast_if_needed(v, ct));
+  const Tensor out = heads_view(empty({B, Sq, Hq, D}, ct, dev));
+  r.lse = empty({B, Hq, Sq}, DType::F32, dev);
+  const AttentionArgs args = attention_args(q, k, options, scale);
+  const TensorArg qa = arg_of(qc), ka = arg_of(kc), va = arg_of(vc), oa = arg_of(out),
+                  la = arg_of(r.lse);
+  detail::dispatch(
+      dev, [=] { cpu::attention(args, qa, ka, va, oa, la); },
+      [=](void* s) { cuda::attention(args, qa, ka, va, oa, la, s); }, qc, kc, vc, out, r.lse);
+  r.out = cast_if_needed(out, q.dtype());
   return r;
+}
+
+std::vector<Tensor> scaled_dot_product_attention_backward(const Tensor& q, const Tensor& k,
+                                                          const Tensor& v, const Tensor& out,
+                                                          const Tensor& lse, const Tensor& dout,
+                                                          const AttentionOptions& options) {
+  constexpr const char* op = "scaled_dot_product_attention_backward";
+  check_attention_inputs(q, k, v, op);
+  check_defined(out, op, "out");
+  check_defined(lse, op, "lse");
+  check_defined(dout, op, "dout");
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
+  TANDEM_CHECK(out.shape() == q.shape() && dout.shape() == q.shape(),
+               "[tensor::{}] expected out and dout of q's shape {}, got out={}, dout={}", op,
+               q.shape(), out.shape(), dout.shape());
+  TANDEM_CHECK((lse.shape() == Shape{B, Hq, Sq}),
+               "[tensor::{}] expected lse of shape [{}, {}, {}], got {}", op, B, Hq, Sq,
+               lse.shape());
+  const Device dev = q.device();
+  check_same_device(q, out, op, "q", "out");
+  check_same_device(q, lse, op, "q", "lse");
+  check_same_device(q, dout, op, "q", "dout");
+  const int64_t Hkv = k.size(1), Sk = k.size(2);
+  const DType ct = q.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  if (Sq == 0 || Sk == 0) {
+    return {zeros_like(q), zeros_like(k), zeros_like(v)};
+  }
+  const double scale =
+      options.scale.value_or(D > 0 ? 1.0 / std::sqrt(static_cast<double>(D)) : 1.0);
+  const Tensor qc = unit_stride_last(cast_if_needed(q, ct));
+  const Tensor kc = unit_stride_last(cast_if_needed(k, ct));
+  const Tensor vc = unit_stride_last(cast_if_needed(v, ct));
+  const Tensor oc = unit_stride_last(cast_if_needed(out, ct));
+  const Tensor doc = unit_stride_last(cast_if_needed(dout, ct));
+  const Tensor lc = contiguous(cast_if_needed(lse, DType::F32));
+  // Gradients in the (B, S, H, D) layout the projections' inputs come from.
+  const Tensor dq = heads_view(empty({B, Sq, Hq, D}, ct, dev));
+  const Tensor dk = heads_view(empty({B, Sk, Hkv, D}, ct, dev));
+  const Tensor dv = heads_view(empty({B, Sk, Hkv, D}, ct, dev));
+  const AttentionArgs args = attention_args(q, k, options, scale);
+  const TensorArg qa = arg_of(qc), ka = arg_of(kc), va = arg_of(vc), oa = arg_of(oc),
+                  la = arg_of(lc), ga = arg_of(doc), dqa = arg_of(dq), dka = arg_of(dk),
+                  dva = arg_of(dv);
+  detail::dispatch(
+      dev, [=] { cpu::attention_backward(args, qa, ka, va, oa, la, ga, dqa, dka, dva); },
+      [=](void* s) { cuda::attention_backward(args, qa, ka, va, oa, la, ga, dqa, dka, dva, s); },
+      qc, kc, vc, oc, lc, doc, dq, dk, dv);
+  return {cast_if_needed(dq, q.dtype()), cast_if_needed(dk, k.dtype()),
+          cast_if_needed(dv, v.dtype())};
+}
+
+// ---- SwiGLU ----
+
+namespace {
+void check_swiglu_operand(const Tensor& a, const Tensor& t, const char* op, const char* name) {
+  check_defined(t, op, name);
+  TANDEM_CHECK(t.shape() == a.shape(), "[tensor::{}] expected {} of a's shape {}, got {}", op, name,
+               a.shape(), t.shape());
+  TANDEM_CHECK(t.dtype() == a.dtype(), "[tensor::{}] expected {} of a's dtype {}, got {}", op, name,
+               dtype_name(a.dtype()), dtype_name(t.dtype()));
+  check_same_device(a, t, op, "a", name);
+}
+}  // namespace
+
+Tensor swiglu(const Tensor& a, const Tensor& b) {
+  check_defined(a, "swiglu", "a");
+  TANDEM_CHECK(is_floating(a.dtype()), "[tensor::swiglu] expected a floating a, got {}",
+               dtype_name(a.dtype()));
+  check_swiglu_operand(a, b, "swiglu", "b");
+  const Tensor ac = contiguous(a), bc = contiguous(b);
+  Tensor out = empty(a.shape(), a.dtype(), a.device());
+  const TensorArg aa = arg_of(ac), ba = arg_of(bc), oa = arg_of(out);
+  detail::dispatch(
+      a.device(), [=] { cpu::swiglu(aa, ba, oa); }, [=](void* s) { cuda::swiglu(aa, ba, oa, s); },
+      ac, bc, out);
+  return out;
+}
+
+std::pair<Tensor, Tensor> swiglu_backward(const Tensor& a, const Tensor& b, const Tensor& g) {
+  check_defined(a, "swiglu_backward", "a");
+  TANDEM_CHECK(is_floating(a.dtype()), "[tensor::swiglu_backward] expected a floating a, got {}",
+               dtype_name(a.dtype()));
+  check_swiglu_operand(a, b, "swiglu_backward", "b");
+  check_defined(g, "swiglu_backward", "g");
+  TANDEM_CHECK(g.shape() == a.shape(),
+               "[tensor::swiglu_backward] expected g of a's shape {}, got {}", a.shape(),
+               g.shape());
+  check_same_device(a, g, "swiglu_backward", "a", "g");
+  const Tensor ac = contiguous(a), bc = contiguous(b);
+  const Tensor gc = contiguous(cast_if_needed(g, a.dtype()));
+  Tensor da = empty(a.shape(), a.dtype(), a.device());
+  Tensor db = empty(a.shape(), a.dtype(), a.device());
+  const TensorArg aa = arg_of(ac), ba = arg_of(bc), ga = arg_of(gc), daa = arg_of(da),
+                  dba = arg_of(db);
+  detail::dispatch(
+      a.device(), [=] { cpu::swiglu_backward(aa, ba, ga, daa, dba); },
+      [=](void* s) { cuda::swiglu_backward(aa, ba, ga, daa, dba, s); }, ac, bc, gc, da, db);
+  return {da, db};
 }
 
 }  // namespace tandem::ops

@@ -48,7 +48,7 @@ suite_filter() {
 # The threaded suites again under ThreadSanitizer (its own build directory,
 # CUDA/MPI off; ccache keeps rebuilds cheap). TANDEM_SKIP_TSAN=1 skips it.
 tsan_build="${TANDEM_TSAN_BUILD_DIR:-$root/build-tsan}"
-tsan_suites=(runtime comm autograd parallel train)
+tsan_suites=(runtime tensor comm autograd parallel train)
 run_tsan() {
   if [[ ! -f "$tsan_build/build.ninja" ]]; then
     meson setup "$tsan_build" "$root" -Dcuda=disabled -Dmpi=disabled -Dnccl=disabled \

@@ -279,6 +279,28 @@ Tensor silu(const Tensor& a) {
 }
 
 namespace {
+// Note [Fused SwiGLU] in tensor/cpu/elementwise.cpp: one kernel each way.
+struct SwigluBackward final : Node {
+  TANDEM_NODE_NAME(SwigluBackward)
+  Tensor a, b;
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    auto [da, db] = ops::swiglu_backward(a, b, g[0]);
+    return {needs_grad(0) ? da : Tensor(), needs_grad(1) ? db : Tensor()};
+  }
+  void release_saved() override { a = b = Tensor(); }
+};
+}  // namespace
+
+Tensor swiglu(const Tensor& a, const Tensor& b) {
+  Tensor out = ops::swiglu(a, b);
+  if (auto node = record<SwigluBackward>({&a, &b}, {&out})) {
+    node->a = detach(a);
+    node->b = detach(b);
+  }
+  return out;
+}
+
+namespace {
 struct WhereBackward final : Node {
   TANDEM_NODE_NAME(WhereBackward)
   Tensor cond;

@@ -9,39 +9,7 @@ namespace tandem {
 std::vector<Tensor> attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                        const Tensor& out, const Tensor& lse, const Tensor& dout,
                                        const AttentionOptions& options) {
-  const int64_t B = q.shape()[0], Hq = q.shape()[1], Sq = q.shape()[2], D = q.shape()[3];
-  const int64_t Hkv = k.shape()[1], Sk = k.shape()[2], G = Hq / Hkv;
-  const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
-  DType dt = q.dtype() == DType::F64 ? DType::F64 : DType::F32;
-  // Grouped heads: view q/dO/O as (B, Hkv, G*Sq, D) so one matmul serves a group.
-  auto group = [&](const Tensor& t) {
-    return ops::reshape(ops::to(t, dt), Shape{B, Hkv, G * Sq, t.shape()[3]});
-  };
-  Tensor qg = group(q), dog = group(dout), og = group(out);
-  Tensor kf = ops::to(k, dt), vf = ops::to(v, dt);
-  Tensor s = ops::mul(ops::matmul(qg, ops::transpose(kf, -1, -2)), scale);
-  Tensor lse_g = ops::reshape(ops::to(lse, dt), Shape{B, Hkv, G * Sq, 1});
-  // Rows with no visible key have lse = -inf: their P is 0.
-  Tensor finite = ops::lt(ops::abs(lse_g), std::numeric_limits<double>::infinity());
-  Tensor p = ops::exp(ops::sub(s, ops::where(finite, lse_g, 0.0)));
-  Tensor visible = ops::expand(finite, p.shape());
-  if (options.causal) {
-    Tensor qpos = ops::add(ops::arange(0, static_cast<double>(Sq), 1, DType::I64, q.device()),
-                           static_cast<double>(options.q_offset));
-    Tensor kpos = ops::add(ops::arange(0, static_cast<double>(Sk), 1, DType::I64, q.device()),
-                           static_cast<double>(options.k_offset));
-    Tensor mask = ops::le(ops::unsqueeze(kpos, 0), ops::unsqueeze(qpos, 1));  // (Sq, Sk)
-    mask = ops::reshape(ops::expand(ops::unsqueeze(mask, 0), Shape{G, Sq, Sk}), Shape{G * Sq, Sk});
-    visible = ops::where(mask, visible, ops::zeros(Shape{}, DType::Bool, q.device()));
-  }
-  p = ops::where(visible, p, 0.0);
-  Tensor dv = ops::matmul(ops::transpose(p, -1, -2), dog);     // (B, Hkv, Sk, D)
-  Tensor dp = ops::matmul(dog, ops::transpose(vf, -1, -2));    // (B, Hkv, G*Sq, Sk)
-  Tensor delta = ops::sum(ops::mul(dog, og), Dims{-1}, true);  // (B, Hkv, G*Sq, 1)
-  Tensor ds = ops::mul(ops::mul(p, ops::sub(dp, delta)), scale);
-  Tensor dq = ops::reshape(ops::matmul(ds, kf), q.shape());
-  Tensor dk = ops::matmul(ops::transpose(ds, -1, -2), qg);  // (B, Hkv, Sk, D)
-  return {ops::to(dq, q.dtype()), ops::to(dk, k.dtype()), ops::to(dv, v.dtype())};
+  return ops::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, options);
 }
 
 namespace {
@@ -73,33 +41,16 @@ Tensor matmul_2d(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-// Rows of x as a (rows, d) view: the shape normalisation of the norm kernels.
-Tensor row_view(const Tensor& t, int64_t d) {
-  return ops::reshape(t, Shape{-1, d});
-}
-
+// Both norms' backward is one fused kernel (Note [Fused norm backward] in
+// tensor/cpu/norm.cpp).
 struct LayerNormBackward final : Node {
   TANDEM_NODE_NAME(LayerNormBackward)
   Tensor x, weight, mean, rstd;  // mean/rstd: (rows) f32
   bool has_bias = false;
-  DType bias_dtype = DType::F32;
   std::vector<Tensor> apply(std::vector<Tensor>& g) override {
-    const int64_t d = x.shape().back();
-    Tensor x2 = ops::to(row_view(x, d), DType::F32);
-    Tensor g2 = ops::to(row_view(g[0], d), DType::F32);
-    Tensor r = ops::unsqueeze(rstd, 1);
-    Tensor xhat = ops::mul(ops::sub(x2, ops::unsqueeze(mean, 1)), r);
-    Tensor gw = weight.defined() ? ops::mul(g2, ops::to(weight, DType::F32)) : g2;
-    Tensor m1 = ops::mean(gw, Dims{1}, true);
-    Tensor m2 = ops::mean(ops::mul(gw, xhat), Dims{1}, true);
-    Tensor gx = ops::mul(ops::sub(ops::sub(gw, m1), ops::mul(xhat, m2)), r);
-    std::vector<Tensor> out(3);
-    out[0] = ops::to(ops::reshape(gx, x.shape()), x.dtype());
-    if (weight.defined() && needs_grad(1)) {
-      out[1] = ops::to(ops::sum(ops::mul(g2, xhat), Dims{0}), weight.dtype());
-    }
-    if (has_bias && needs_grad(2)) out[2] = ops::to(ops::sum(g2, Dims{0}), bias_dtype);
-    return out;
+    NormGrads r =
+        ops::norm_backward(g[0], x, weight, mean, rstd, needs_grad(1), has_bias && needs_grad(2));
+    return {r.dx, r.dweight, r.dbias};
   }
   void release_saved() override { x = weight = mean = rstd = Tensor(); }
 };
@@ -108,20 +59,8 @@ struct RmsNormBackward final : Node {
   TANDEM_NODE_NAME(RmsNormBackward)
   Tensor x, weight, rstd;
   std::vector<Tensor> apply(std::vector<Tensor>& g) override {
-    const int64_t d = x.shape().back();
-    Tensor x2 = ops::to(row_view(x, d), DType::F32);
-    Tensor g2 = ops::to(row_view(g[0], d), DType::F32);
-    Tensor r = ops::unsqueeze(rstd, 1);
-    Tensor xhat = ops::mul(x2, r);
-    Tensor gw = weight.defined() ? ops::mul(g2, ops::to(weight, DType::F32)) : g2;
-    Tensor m = ops::mean(ops::mul(gw, xhat), Dims{1}, true);
-    Tensor gx = ops::mul(ops::sub(gw, ops::mul(xhat, m)), r);
-    std::vector<Tensor> out(2);
-    out[0] = ops::to(ops::reshape(gx, x.shape()), x.dtype());
-    if (weight.defined() && needs_grad(1)) {
-      out[1] = ops::to(ops::sum(ops::mul(g2, xhat), Dims{0}), weight.dtype());
-    }
-    return out;
+    NormGrads r = ops::norm_backward(g[0], x, weight, Tensor(), rstd, needs_grad(1), false);
+    return {r.dx, r.dweight};
   }
   void release_saved() override { x = weight = rstd = Tensor(); }
 };
@@ -227,7 +166,6 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
     node->mean = r.mean;
     node->rstd = r.rstd;
     node->has_bias = bias.defined();
-    if (bias.defined()) node->bias_dtype = bias.dtype();
   }
   return out;
 }

@@ -41,6 +41,34 @@ struct SliceBackward final : Node {
   }
 };
 
+// Note [One node per split]
+// split/split_sizes/chunk record one node with an output per part: its
+// backward concatenates the parts' gradients (zeros for parts that got none)
+// in one pass, where a node per part scattered each gradient into a zero
+// tensor of the whole shape and the engine then added those (for a fused qkv
+// projection: three zero fills and two additions of the full (B, S, 3D)).
+struct SplitBackward final : Node {
+  TANDEM_NODE_NAME(SplitBackward)
+  Shape shape;  // of the split tensor
+  DType dtype;
+  Device device;
+  int dim = 0;
+  std::vector<int64_t> sizes;  // of the parts along dim
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    std::vector<Tensor> parts(g.size());
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (g[i].defined()) {
+        parts[i] = ops::to(g[i], dtype);
+        continue;
+      }
+      Shape part_shape = shape;
+      part_shape[dim] = sizes[i];
+      parts[i] = ops::zeros(part_shape, dtype, device);
+    }
+    return {ops::cat(parts, dim)};
+  }
+};
+
 struct ExpandBackward final : Node {
   TANDEM_NODE_NAME(ExpandBackward)
   Shape shape;
@@ -95,6 +123,25 @@ Tensor sliced(const Tensor& t, Tensor out, int dim, int64_t start, int64_t end, 
     node->squeezed = squeezed;
   }
   return out;
+}
+
+// Note [One node per split]: `parts` are ops-level views of t along d.
+std::vector<Tensor> split_parts(const Tensor& t, std::vector<Tensor> parts, int d) {
+  for (Tensor& p : parts)
+    p = detach(p);
+  if (!grad_mode_enabled() || !any_requires_grad({&t}) || parts.empty()) return parts;
+  auto node = std::make_shared<SplitBackward>();
+  node->shape = t.shape();
+  node->dtype = t.dtype();
+  node->device = t.device();
+  node->dim = d;
+  std::vector<Tensor*> outputs;
+  for (Tensor& p : parts) {
+    node->sizes.push_back(p.shape()[d]);
+    outputs.push_back(&p);
+  }
+  NodeRecorder::wire(node, {&t}, outputs);
+  return parts;
 }
 
 Tensor identity(const char* name, const Tensor& t, Tensor out) {
@@ -172,37 +219,17 @@ Tensor expand(const Tensor& t, const Shape& shape) {
 
 std::vector<Tensor> split(const Tensor& t, int64_t split_size, int64_t dim) {
   std::vector<Tensor> parts = ops::split(t, split_size, dim);
-  int d = wrap_dim(dim, t.dim(), "split");
-  int64_t start = 0;
-  for (Tensor& p : parts) {
-    int64_t len = p.shape()[d];
-    p = narrow(t, d, start, len);
-    start += len;
-  }
-  return parts;
+  return split_parts(t, std::move(parts), wrap_dim(dim, t.dim(), "split"));
 }
 
 std::vector<Tensor> split_sizes(const Tensor& t, const std::vector<int64_t>& sizes, int64_t dim) {
   std::vector<Tensor> parts = ops::split_sizes(t, sizes, dim);  // validates
-  int d = wrap_dim(dim, t.dim(), "split_sizes");
-  int64_t start = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    parts[i] = narrow(t, d, start, sizes[i]);
-    start += sizes[i];
-  }
-  return parts;
+  return split_parts(t, std::move(parts), wrap_dim(dim, t.dim(), "split_sizes"));
 }
 
 std::vector<Tensor> chunk(const Tensor& t, int64_t chunks, int64_t dim) {
   std::vector<Tensor> parts = ops::chunk(t, chunks, dim);
-  int d = wrap_dim(dim, t.dim(), "chunk");
-  int64_t start = 0;
-  for (Tensor& p : parts) {
-    int64_t len = p.shape()[d];
-    p = narrow(t, d, start, len);
-    start += len;
-  }
-  return parts;
+  return split_parts(t, std::move(parts), wrap_dim(dim, t.dim(), "chunk"));
 }
 
 Tensor contiguous(const Tensor& t) {

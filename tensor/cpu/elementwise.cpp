@@ -1,15 +1,28 @@
-// CPU elementwise kernels: unary, binary (broadcast by stride 0), scalar and
-// where. 16-bit types compute in float and round on store (dtype.h acc_t).
-// The op is chosen outside the loop (one instantiation per op) so the inner
-// loop is a plain strided loop the compiler vectorises.
+// CPU elementwise kernels: unary, binary (broadcast by stride 0), scalar,
+// where, and the fused SwiGLU gate. 16-bit types compute in float and round on
+// store (dtype.h acc_t). The op is chosen outside the loop (one instantiation
+// per op) so the inner loop is a plain strided loop the compiler vectorises.
+// Contiguous operands of at least kElementGrain elements are split over the
+// kernel threads (Note [CPU kernel threads]); the per-op overhead of small
+// tensors is one comparison.
 #include <cmath>
 #include <type_traits>
 
 #include "tensor/cpu/loops.h"
+#include "tensor/cpu/parallel.h"
+#include "tensor/cpu/simd.h"
 #include "tensor/kernels.h"
 
 namespace tandem::cpu {
 namespace {
+
+constexpr int64_t kElementGrain = int64_t{1} << 15;
+
+// fn(begin, end) over [0, n), split over the kernel threads when large.
+template <class F>
+void for_range(int64_t n, F&& fn) {
+  parallel_for(n, kElementGrain, fn);
+}
 
 template <class A>
 inline A gelu_tanh(A x) {
@@ -120,8 +133,10 @@ void binary_loop(const TensorArg& a, const TensorArg& b, const TensorArg& out, F
   R* po = static_cast<R*>(out.data);
   using A = compute_t<T>;
   if (a.contiguous && b.contiguous) {
-    for (int64_t i = 0; i < out.numel; ++i)
-      po[i] = static_cast<R>(f(A(pa[i]), A(pb[i])));
+    for_range(out.numel, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        po[i] = static_cast<R>(f(A(pa[i]), A(pb[i])));
+    });
     return;
   }
   for_each_row<3>(out, {&a, &b, &out}, [&](auto off, auto st, int64_t n) {
@@ -142,7 +157,34 @@ void binary_loop(const TensorArg& a, const TensorArg& b, const TensorArg& out, F
 
 }  // namespace
 
+namespace {
+
+// f32 exp, sigmoid and silu over contiguous operands on the vectorised exp
+// (Note [Vectorised exp] in simd.h); false for every other case.
+bool unary_f32_vectorised(UnaryOp op, const TensorArg& in, const TensorArg& out) {
+  if (in.dtype != DType::F32 || !in.contiguous) return false;
+  if (op != UnaryOp::Exp && op != UnaryOp::Sigmoid && op != UnaryOp::Silu) return false;
+  const float* pi = static_cast<const float*>(in.data);
+  float* po = static_cast<float*>(out.data);
+  auto f = [op](simd::VecF x) {
+    if (op == UnaryOp::Exp) return simd::exp_vec(x);
+    const simd::VecF s = 1.0f / (1.0f + simd::exp_vec(-x));
+    return op == UnaryOp::Sigmoid ? s : x * s;
+  };
+  for_range(out.numel, [&](int64_t i0, int64_t i1) {
+    constexpr int64_t W = simd::kWidth<float>;
+    int64_t i = i0;
+    for (; i + W <= i1; i += W)
+      simd::store(po + i, f(simd::load(pi + i)));
+    if (i < i1) simd::store_partial(po + i, f(simd::load_partial(pi + i, i1 - i, 0.0f)), i1 - i);
+  });
+  return true;
+}
+
+}  // namespace
+
 void unary(UnaryOp op, const TensorArg& in, const TensorArg& out) {
+  if (unary_f32_vectorised(op, in, out)) return;
   dispatch_dtype(in.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     using A = compute_t<T>;
@@ -150,8 +192,10 @@ void unary(UnaryOp op, const TensorArg& in, const TensorArg& out) {
     T* po = static_cast<T*>(out.data);
     with_unary<A>(op, [&](auto f) {
       if (in.contiguous) {
-        for (int64_t i = 0; i < out.numel; ++i)
-          po[i] = static_cast<T>(f(A(pi[i])));
+        for_range(out.numel, [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i)
+            po[i] = static_cast<T>(f(A(pi[i])));
+        });
         return;
       }
       for_each_row<2>(out, {&in, &out}, [&](auto off, auto st, int64_t n) {
@@ -188,8 +232,10 @@ void binary_scalar(BinaryOp op, const TensorArg& a, double s, bool scalar_first,
         const T* pa = static_cast<const T*>(a.data);
         R* po = static_cast<R*>(out.data);
         if (a.contiguous) {
-          for (int64_t i = 0; i < out.numel; ++i)
-            po[i] = static_cast<R>(g(A(pa[i])));
+          for_range(out.numel, [&](int64_t i0, int64_t i1) {
+            for (int64_t i = i0; i < i1; ++i)
+              po[i] = static_cast<R>(g(A(pa[i])));
+          });
           return;
         }
         for_each_row<2>(out, {&a, &out}, [&](auto off, auto st, int64_t n) {
@@ -220,6 +266,72 @@ void where(const TensorArg& cond, const TensorArg& a, const TensorArg& b, const 
       for (int64_t i = 0; i < n; ++i) {
         po[off[3] + i * st[3]] =
             pc[off[0] + i * st[0]] ? pa[off[1] + i * st[1]] : pb[off[2] + i * st[2]];
+      }
+    });
+  });
+}
+
+// Note [Fused SwiGLU]
+// ~~~~~~~~~~~~~~~~~~~
+// silu(a) * b forward and its two gradients backward are one pass each over
+// the (tokens, hidden) operands instead of silu, mul (forward) and sigmoid,
+// four products, two sums (backward), with exp vectorised for f32 (Note
+// [Vectorised exp] in simd.h):
+//   s = sigmoid(a), silu = a s, silu' = s (1 + a (1 - s)),
+//   out = silu b,   da = g b silu',   db = g silu.
+void swiglu(const TensorArg& a, const TensorArg& b, const TensorArg& out) {
+  dispatch_floating(a.dtype, "swiglu", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = acc_t<T>;
+    const T* pa = static_cast<const T*>(a.data);
+    const T* pb = static_cast<const T*>(b.data);
+    T* po = static_cast<T*>(out.data);
+    for_range(out.numel, [&](int64_t i0, int64_t i1) {
+      int64_t i = i0;
+      if constexpr (std::is_same_v<T, float>) {
+        constexpr int64_t W = simd::kWidth<float>;
+        for (; i + W <= i1; i += W) {
+          const simd::VecF x = simd::load(pa + i);
+          const simd::VecF s = 1.0f / (1.0f + simd::exp_vec(-x));
+          simd::store(po + i, x * s * simd::load(pb + i));
+        }
+      }
+      for (; i < i1; ++i) {
+        const A x = static_cast<A>(pa[i]);
+        const A s = A(1) / (A(1) + std::exp(-x));
+        po[i] = static_cast<T>(x * s * static_cast<A>(pb[i]));
+      }
+    });
+  });
+}
+
+void swiglu_backward(const TensorArg& a, const TensorArg& b, const TensorArg& g,
+                     const TensorArg& da, const TensorArg& db) {
+  dispatch_floating(a.dtype, "swiglu_backward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = acc_t<T>;
+    const T* pa = static_cast<const T*>(a.data);
+    const T* pb = static_cast<const T*>(b.data);
+    const T* pg = static_cast<const T*>(g.data);
+    T* pda = static_cast<T*>(da.data);
+    T* pdb = static_cast<T*>(db.data);
+    for_range(a.numel, [&](int64_t i0, int64_t i1) {
+      int64_t i = i0;
+      if constexpr (std::is_same_v<T, float>) {
+        constexpr int64_t W = simd::kWidth<float>;
+        for (; i + W <= i1; i += W) {
+          const simd::VecF x = simd::load(pa + i), gv = simd::load(pg + i);
+          const simd::VecF s = 1.0f / (1.0f + simd::exp_vec(-x));
+          const simd::VecF silu = x * s;
+          simd::store(pda + i, gv * simd::load(pb + i) * (s * (1.0f + x * (1.0f - s))));
+          simd::store(pdb + i, gv * silu);
+        }
+      }
+      for (; i < i1; ++i) {
+        const A x = static_cast<A>(pa[i]), gv = static_cast<A>(pg[i]);
+        const A s = A(1) / (A(1) + std::exp(-x));
+        pda[i] = static_cast<T>(gv * static_cast<A>(pb[i]) * (s * (A(1) + x * (A(1) - s))));
+        pdb[i] = static_cast<T>(gv * x * s);
       }
     });
   });

@@ -177,7 +177,58 @@ __global__ void where_kernel(const bool* cond, const U* a, const U* b, U* out, i
   }
 }
 
+// Note [Fused SwiGLU] (tensor/cpu/elementwise.cpp); contiguous operands.
+template <class T>
+__global__ void swiglu_kernel(const T* a, const T* b, T* out, int64_t n) {
+  using V = acc_t<T>;
+  for (int64_t i = detail::grid_start(); i < n; i += detail::grid_step()) {
+    const V x = load_as<V>(a[i]);
+    const V s = V(1) / (V(1) + detail::d_exp(-x));
+    out[i] = cast_to<T>(x * s * load_as<V>(b[i]));
+  }
+}
+
+template <class T>
+__global__ void swiglu_backward_kernel(const T* a, const T* b, const T* g, T* da, T* db,
+                                       int64_t n) {
+  using V = acc_t<T>;
+  for (int64_t i = detail::grid_start(); i < n; i += detail::grid_step()) {
+    const V x = load_as<V>(a[i]), gv = load_as<V>(g[i]);
+    const V s = V(1) / (V(1) + detail::d_exp(-x));
+    da[i] = cast_to<T>(gv * load_as<V>(b[i]) * (s * (V(1) + x * (V(1) - s))));
+    db[i] = cast_to<T>(gv * x * s);
+  }
+}
+
 }  // namespace
+
+void swiglu(const TensorArg& a, const TensorArg& b, const TensorArg& out, void* stream) {
+  if (out.numel == 0) return;
+  detail::StreamDeviceGuard guard(stream);
+  dispatch_floating(a.dtype, "swiglu", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    swiglu_kernel<T>
+        <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
+            static_cast<const T*>(a.data), static_cast<const T*>(b.data), static_cast<T*>(out.data),
+            out.numel);
+  });
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+}
+
+void swiglu_backward(const TensorArg& a, const TensorArg& b, const TensorArg& g,
+                     const TensorArg& da, const TensorArg& db, void* stream) {
+  if (a.numel == 0) return;
+  detail::StreamDeviceGuard guard(stream);
+  dispatch_floating(a.dtype, "swiglu_backward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    swiglu_backward_kernel<T>
+        <<<detail::blocks_for(a.numel), detail::kThreads, 0, detail::native(stream)>>>(
+            static_cast<const T*>(a.data), static_cast<const T*>(b.data),
+            static_cast<const T*>(g.data), static_cast<T*>(da.data), static_cast<T*>(db.data),
+            a.numel);
+  });
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+}
 
 void unary(UnaryOp op, const TensorArg& in, const TensorArg& out, void* stream) {
   if (out.numel == 0) return;

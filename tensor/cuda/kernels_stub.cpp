@@ -53,6 +53,27 @@ void rms_norm(const TensorArg&, const TensorArg&, double, int64_t, int64_t, cons
               const TensorArg&, void*) {
   no_cuda("rms_norm");
 }
+void norm_backward(const TensorArg&, const TensorArg&, const TensorArg&, const TensorArg&,
+                   const TensorArg&, int64_t, int64_t, const TensorArg&, const TensorArg&,
+                   const TensorArg&, void*) {
+  no_cuda("norm_backward");
+}
+void swiglu(const TensorArg&, const TensorArg&, const TensorArg&, void*) {
+  no_cuda("swiglu");
+}
+void swiglu_backward(const TensorArg&, const TensorArg&, const TensorArg&, const TensorArg&,
+                     const TensorArg&, void*) {
+  no_cuda("swiglu_backward");
+}
+void attention(const AttentionArgs&, const TensorArg&, const TensorArg&, const TensorArg&,
+               const TensorArg&, const TensorArg&, void*) {
+  no_cuda("attention");
+}
+void attention_backward(const AttentionArgs&, const TensorArg&, const TensorArg&, const TensorArg&,
+                        const TensorArg&, const TensorArg&, const TensorArg&, const TensorArg&,
+                        const TensorArg&, const TensorArg&, void*) {
+  no_cuda("attention_backward");
+}
 void gemm(const GemmArgs&, void*) {
   no_cuda("gemm");
 }

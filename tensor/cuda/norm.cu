@@ -1,5 +1,5 @@
-// CUDA normalisation over the last dim: layer_norm and rms_norm
-// (tensor/kernels.h). One block per row of x (rows, d); the block reduces the
+// CUDA normalisation over the last dim: layer_norm and rms_norm, and their
+// fused backward (tensor/kernels.h). One block per row of x (rows, d); the block reduces the
 // row's statistics in shared memory and then writes the normalised row. The
 // statistics are computed in acc_t (f32 for 16-bit inputs, f64 for f64) and
 // stored as f32 for the backward pass. The variance is taken around the mean
@@ -93,6 +93,57 @@ __global__ void rms_norm_kernel(const T* x, Param weight, double eps, int64_t ro
   }
 }
 
+// Note [Fused norm backward] (tensor/cpu/norm.cpp): dx per row, one block per
+// row; the column sums (dweight, dbias) one thread per column over all rows in
+// order, so they are deterministic.
+template <class T>
+__global__ void norm_backward_dx_kernel(const T* dy, const T* x, Param weight, const float* mean,
+                                        const float* rstd, int64_t rows, int64_t d, T* dx) {
+  using V = acc_t<T>;
+  __shared__ V shared[detail::kThreads];
+  const V inv_d = d > 0 ? V(1) / static_cast<V>(d) : V(0);
+  auto add = [](V a, V b) { return a + b; };
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * d;
+    const T* gr = dy + row * d;
+    const V mu = mean != nullptr ? static_cast<V>(mean[row]) : V(0);
+    const V rs = static_cast<V>(rstd[row]);
+    V s1 = 0, s2 = 0;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+      const V xh = (load_as<V>(xr[i]) - mu) * rs;
+      const V gw = load_as<V>(gr[i]) * load_param<V>(weight.data, weight.dtype, i, V(1));
+      s1 += gw;
+      s2 += gw * xh;
+    }
+    // mean == nullptr (rms_norm) is uniform across the block.
+    const V m1 = mean != nullptr ? detail::block_reduce(s1, shared, add) * inv_d : V(0);
+    const V m2 = detail::block_reduce(s2, shared, add) * inv_d;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+      const V xh = (load_as<V>(xr[i]) - mu) * rs;
+      const V gw = load_as<V>(gr[i]) * load_param<V>(weight.data, weight.dtype, i, V(1));
+      dx[row * d + i] = T((gw - m1 - xh * m2) * rs);
+    }
+  }
+}
+
+template <class T>
+__global__ void norm_backward_params_kernel(const T* dy, const T* x, const float* mean,
+                                            const float* rstd, int64_t rows, int64_t d,
+                                            acc_t<T>* dweight, acc_t<T>* dbias) {
+  using V = acc_t<T>;
+  for (int64_t j = detail::grid_start(); j < d; j += detail::grid_step()) {
+    V sw = 0, sb = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const V g = load_as<V>(dy[r * d + j]);
+      const V mu = mean != nullptr ? static_cast<V>(mean[r]) : V(0);
+      sw += g * (load_as<V>(x[r * d + j]) - mu) * static_cast<V>(rstd[r]);
+      sb += g;
+    }
+    if (dweight != nullptr) dweight[j] = sw;
+    if (dbias != nullptr) dbias[j] = sb;
+  }
+}
+
 unsigned row_blocks(int64_t rows) {
   return static_cast<unsigned>(std::min<int64_t>(rows, int64_t{1} << 16));
 }
@@ -123,6 +174,32 @@ void rms_norm(const TensorArg& x, const TensorArg& weight, double eps, int64_t r
     rms_norm_kernel<T><<<row_blocks(rows), detail::row_threads(d), 0, detail::native(stream)>>>(
         static_cast<const T*>(x.data), Param{weight.data, weight.dtype}, eps, rows, d,
         static_cast<T*>(out.data), static_cast<float*>(rstd.data));
+  });
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+}
+
+void norm_backward(const TensorArg& dy, const TensorArg& x, const TensorArg& weight,
+                   const TensorArg& mean, const TensorArg& rstd, int64_t rows, int64_t d,
+                   const TensorArg& dx, const TensorArg& dweight, const TensorArg& dbias,
+                   void* stream) {
+  if (rows == 0 || d == 0) return;
+  detail::StreamDeviceGuard guard(stream);
+  dispatch_floating(x.dtype, "norm_backward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using V = acc_t<T>;
+    const float* mean_p = static_cast<const float*>(mean.data);
+    norm_backward_dx_kernel<T>
+        <<<row_blocks(rows), detail::row_threads(d), 0, detail::native(stream)>>>(
+            static_cast<const T*>(dy.data), static_cast<const T*>(x.data),
+            Param{weight.data, weight.dtype}, mean_p, static_cast<const float*>(rstd.data), rows, d,
+            static_cast<T*>(dx.data));
+    if (dweight.data != nullptr || dbias.data != nullptr) {
+      norm_backward_params_kernel<T>
+          <<<detail::blocks_for(d), detail::kThreads, 0, detail::native(stream)>>>(
+              static_cast<const T*>(dy.data), static_cast<const T*>(x.data), mean_p,
+              static_cast<const float*>(rstd.data), rows, d, static_cast<V*>(dweight.data),
+              static_cast<V*>(dbias.data));
+    }
   });
   TANDEM_CUDA_CHECK(cudaGetLastError());
 }

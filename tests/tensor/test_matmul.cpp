@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tensor/ops.h"
@@ -227,4 +228,50 @@ TEST_CASE("matmul gives the same result on two BLAS threads", "[matmul]") {
   TANDEM_REQUIRE_CLOSE(two, one, 1e-6, 1e-5);
   Index out_shape;
   TANDEM_REQUIRE_CLOSE(two, ref_matmul(a, {96, 256}, b, {256, 160}, out_shape), 1e-5, 2e-6 * 256);
+}
+
+// The AVX-512 f32 kernel (Note [CPU GEMM backend]) blocks k by 256 and n by
+// 512 and tiles C by 12 x 32: these shapes cross every block boundary with
+// partial tiles, in each transpose combination, at 1 and 2 threads.
+TEST_CASE("f32 matmul across the kernel's cache blocks", "[matmul][threads]") {
+  const int saved = ops::num_threads();
+  const int64_t M = 37, K = 600, N = 545;
+  std::vector<double> a = random_stored(M * K, 70, DType::F32);
+  std::vector<double> b = random_stored(K * N, 71, DType::F32);
+  Index out_shape;
+  const std::vector<double> expected = ref_matmul(a, {M, K}, b, {K, N}, out_shape);
+  // The same values stored transposed, viewed back as (M, K) and (K, N).
+  std::vector<double> at(a.size()), bt(b.size());
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k)
+      at[k * M + m] = a[m * K + k];
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t n = 0; n < N; ++n)
+      bt[n * K + k] = b[k * N + n];
+  }
+  const Tensor an = tensor_of(a, {M, K}), bn = tensor_of(b, {K, N});
+  const Tensor atv = ops::transpose(tensor_of(at, {K, M}), 0, 1);
+  const Tensor btv = ops::transpose(tensor_of(bt, {N, K}), 0, 1);
+  for (int threads : {1, 2}) {
+    ops::set_num_threads(threads);
+    std::vector<double> first;
+    for (const auto& [x, y, name] :
+         {std::tuple{an, bn, "A B"}, std::tuple{atv, bn, "A^T B"}, std::tuple{an, btv, "A B^T"},
+          std::tuple{atv, btv, "A^T B^T"}}) {
+      INFO(name << " on " << threads << " threads");
+      std::vector<double> got = values_of(ops::matmul(x, y));
+      TANDEM_REQUIRE_CLOSE(got, expected, 1e-5, 2e-6 * K);
+      if (first.empty()) first = got;
+    }
+    // A batch of two different products: each item is computed on its own.
+    const Tensor batch_a = ops::stack({an, ops::neg(an)}, 0);
+    std::vector<double> batched = values_of(ops::matmul(batch_a, bn));
+    REQUIRE(batched.size() == 2 * expected.size());
+    std::vector<double> first_item(batched.begin(), batched.begin() + M * N);
+    REQUIRE(first_item == first);
+    for (size_t i = 0; i < expected.size(); ++i)
+      REQUIRE(batched[expected.size() + i] == -first[i]);
+  }
+  ops::set_num_threads(saved);
 }

@@ -1,16 +1,24 @@
 // Tests of layer_norm, rms_norm, cross_entropy and scaled_dot_product_attention
 // against naive double-precision loops written here, in f32 (tight
 // tolerances) and bf16 (loose), on contiguous and strided inputs, plus the
-// front ends' error messages.
+// front ends' error messages; and of the CPU kernels' building blocks: the
+// vectorised f32 exp, parallel_for and GEMM panels over 2 threads. The fused
+// kernels' gradients are tested in tests/autograd/test_fused.cpp.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <random>
+#include <thread>
+#include <utility>
 #include <vector>
 
+#include "tensor/cpu/parallel.h"
 #include "tensor/half.h"
 #include "tensor/ops.h"
 
@@ -493,5 +501,123 @@ TEST_CASE("scaled_dot_product_attention matches a double-precision reference", "
     REQUIRE_THROWS_WITH(sdpa(ops::zeros({2, 4, 3, 8}), k, k), op && Contains("same B and D"));
     REQUIRE_THROWS_WITH(sdpa(q, k, ops::zeros({1, 2, 4, 8})), op && Contains("k and v"));
     REQUIRE_THROWS_WITH(sdpa(q, k, ops::zeros({1, 2, 5, 8}, DType::F64)), op && Contains("f64"));
+  }
+}
+
+// ---- the CPU kernels' building blocks ----
+
+TEST_CASE("f32 exp, sigmoid and silu are within a few ulp and handle the edges", "[nn][simd]") {
+  // Note [Vectorised exp] in tensor/cpu/simd.h: f32 exp runs on exp_vec.
+  std::vector<float> xs;
+  for (float x = -87.0f; x < 88.5f; x += 0.0137f)
+    xs.push_back(x);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> edges = {static_cast<float>(-kInf), -100.0f, 0.0f, 88.72f, 89.0f,
+                                    static_cast<float>(kInf),  nan};
+  xs.insert(xs.end(), edges.begin(), edges.end());
+  const int64_t n = static_cast<int64_t>(xs.size());
+  const Tensor x = ops::from_vector<float>(xs, {n});
+  const std::vector<float> e = ops::exp(x).to_vector<float>();
+  const std::vector<float> sg = ops::sigmoid(x).to_vector<float>();
+  const std::vector<float> si = ops::silu(x).to_vector<float>();
+  double worst = 0;
+  for (int64_t i = 0; i < n - static_cast<int64_t>(edges.size()); ++i) {
+    const double want = std::exp(static_cast<double>(xs[i]));
+    const float wf = static_cast<float>(want);
+    worst = std::max(worst, std::abs(e[i] - want) / (std::nextafter(wf, INFINITY) - wf));
+    const double s = 1.0 / (1.0 + std::exp(-static_cast<double>(xs[i])));
+    REQUIRE(std::abs(sg[i] - s) <= 6e-7 * s);
+    REQUIRE(std::abs(si[i] - xs[i] * s) <= 6e-7 * std::abs(xs[i] * s) + 1e-37);
+  }
+  INFO("worst exp error " << worst << " ulp");
+  CHECK(worst <= 2.0);
+  const float* edge = &e[n - static_cast<int64_t>(edges.size())];
+  CHECK(edge[0] == 0.0f);
+  CHECK(edge[1] == 0.0f);
+  CHECK(edge[2] == 1.0f);
+  CHECK(edge[3] == Approx(std::exp(static_cast<double>(88.72f))).epsilon(1e-6));
+  CHECK(std::isinf(edge[4]));
+  CHECK(std::isinf(edge[5]));
+  CHECK(std::isnan(edge[6]));
+  CHECK(std::isnan(sg[n - 1]));
+}
+
+TEST_CASE("parallel_for covers the range once, nests, and rethrows", "[nn][threads]") {
+  const int saved = ops::num_threads();
+  ops::set_num_threads(2);
+  std::vector<int> hits(10000, 0);
+  std::atomic<int> nested_not_inline{0};  // Catch2 asserts only on this thread
+  cpu::parallel_for(10000, 100, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      ++hits[i];
+    // A nested loop runs inline on the chunk's thread.
+    cpu::parallel_for(4, 1, [&](int64_t, int64_t) {
+      if (cpu::num_threads() != 1) ++nested_not_inline;
+    });
+  });
+  CHECK(std::count(hits.begin(), hits.end(), 1) == 10000);
+  CHECK(nested_not_inline == 0);
+  // Chunks depend on n, grain and the thread count only (4 per thread here),
+  // whichever thread runs them, and also when the pool is busy.
+  auto chunks_of = [](int64_t n, int64_t grain) {
+    std::vector<std::pair<int64_t, int64_t>> chunks;
+    std::mutex mu;
+    cpu::parallel_for(n, grain, [&](int64_t b, int64_t e) {
+      std::lock_guard<std::mutex> lock(mu);
+      chunks.emplace_back(b, e);
+    });
+    std::sort(chunks.begin(), chunks.end());
+    return chunks;
+  };
+  std::vector<std::pair<int64_t, int64_t>> want;
+  for (int64_t b = 0; b < 1000; b += 125)
+    want.emplace_back(b, b + 125);
+  CHECK(chunks_of(1000, 10) == want);
+  CHECK(chunks_of(1000, 400) ==
+        std::vector<std::pair<int64_t, int64_t>>{{0, 400}, {400, 800}, {800, 1000}});
+  std::vector<std::pair<int64_t, int64_t>> busy;
+  cpu::parallel_for(2, 1, [&](int64_t b, int64_t) {
+    // While a region runs the pool is held: from another thread the same
+    // chunks run one after the other.
+    if (b != 0) return;
+    std::thread other([&] { busy = chunks_of(1000, 10); });
+    other.join();
+  });
+  CHECK(busy == want);
+  REQUIRE_THROWS_WITH(
+      cpu::parallel_for(1000, 10,
+                        [&](int64_t b, int64_t) { TANDEM_CHECK(b == 0, "[test] chunk at {}", b); }),
+      Contains("[test] chunk at"));
+  ops::set_num_threads(saved);
+}
+
+TEST_CASE("matmul split into panels over 2 threads matches 1 thread", "[nn][threads]") {
+  // Every transpose combination, C taller than wide (row panels) and wider
+  // than tall (column panels), and a batch (split by item).
+  const std::vector<std::pair<Shape, Shape>> cases = {
+      {Shape{300, 200}, Shape{200, 100}},
+      {Shape{100, 200}, Shape{200, 300}},
+      {Shape{3, 150, 64}, Shape{3, 64, 150}},
+  };
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const auto& [sa, sb] = cases[c];
+    for (int trans = 0; trans < 4; ++trans) {
+      const std::vector<float> av = random_floats(sa.numel(), 80),
+                               bv = random_floats(sb.numel(), 81);
+      auto operand = [](const std::vector<float>& v, const Shape& s, bool t) {
+        if (!t) return ops::from_vector<float>(v, s);
+        Shape st = s;
+        std::swap(st[st.size() - 1], st[st.size() - 2]);
+        return ops::transpose(ops::from_vector<float>(v, st), -1, -2);
+      };
+      const Tensor a = operand(av, sa, trans & 1), b = operand(bv, sb, trans & 2);
+      const std::vector<float> one = ops::matmul(a, b).to_vector<float>();
+      ops::set_num_threads(2);
+      const std::vector<float> two = ops::matmul(a, b).to_vector<float>();
+      ops::set_num_threads(1);
+      std::vector<double> want(one.begin(), one.end());
+      INFO("case " << c << " trans=" << trans);
+      require_close(two, want, 1e-4, 1e-5);
+    }
   }
 }

@@ -37,24 +37,13 @@
 #include "runtime/device.h"
 #include "runtime/stream.h"
 #include "tools/bench/bench.h"
+#include "tools/bench/bench_autograd_workload.h"
 
 namespace tandem::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using namespace autograd_workload;
 using Json = nlohmann::ordered_json;
-
-// Note [Autograd benchmark workload]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Shared with tools/bench/libtorch_autograd.cpp, which repeats these constants
-// and workload_values(): change both together. Every value is an integer hash
-// converted exactly to a multiple of 2^-23 in [-1, 1), times a power-of-two
-// scale (exact), plus an offset of 0 or 1 (one rounding, the same whether or
-// not the compiler contracts it into an FMA), so both programs start from the
-// same bits and their losses and gradients can be compared.
-constexpr int kChainOps = 1000;  // mul by 0.9, add a (4) tensor, tanh, repeated
-constexpr int64_t kChainNumel = 4;
-constexpr int64_t kBatch = 4, kSeq = 256, kModel = 256, kHeads = 4, kHidden = 1024;
 
 // Targets, as baseline/tandem ratios (Row::target): per-op overhead at most
 // 0.25x LibTorch's; a block step at most 0.8x LibTorch's best thread setting.
@@ -62,220 +51,15 @@ constexpr double kOverheadTargetMax = 0.25;
 constexpr double kBlockTargetMax = 0.8;
 constexpr const char* kLibTorchProgram = "tandem-libtorch-autograd";
 
-std::vector<float> workload_values(uint64_t salt, int64_t n, float scale, float offset) {
-  std::vector<float> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    uint64_t z = (salt << 32) + static_cast<uint64_t>(i) + 0x9e3779b97f4a7c15ull;  // splitmix64
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    float u = static_cast<float>(z >> 40) * 0x1p-23f - 1.0f;
-    v[static_cast<size_t>(i)] = u * scale + offset;
-  }
-  return v;
-}
-
-Tensor workload_tensor(uint64_t salt, const Shape& shape, float scale, float offset = 0.0f) {
-  return ops::from_vector<float>(workload_values(salt, shape.numel(), scale, offset), shape);
-}
-
-Tensor leaf(Tensor t) {
-  set_requires_grad(t);
-  return t;
-}
-
-double seconds(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
-double median_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-double process_cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-void synchronize_cpu() {
-  current_stream(Device::cpu()).synchronize();
-}
-
-// ---- the workloads ----
-
-// The op chain through either API; `Api` is DifferentiableApi or RawApi.
-template <class Api>
-Tensor run_chain(const Tensor& x, const Tensor& c) {
-  Tensor y = x;
-  for (int i = 0; i < kChainOps; ++i)
-    y = i % 3 == 0 ? Api::mul(y, 0.9) : i % 3 == 1 ? Api::add(y, c) : Api::tanh(y);
-  return Api::sum(y);
-}
-
-struct DifferentiableApi {
-  static Tensor mul(const Tensor& a, double s) { return tandem::mul(a, s); }
-  static Tensor add(const Tensor& a, const Tensor& b) { return tandem::add(a, b); }
-  static Tensor tanh(const Tensor& a) { return tandem::tanh(a); }
-  static Tensor sum(const Tensor& a) { return tandem::sum(a); }
-};
-
-struct RawApi {
-  static Tensor mul(const Tensor& a, double s) { return ops::mul(a, s); }
-  static Tensor add(const Tensor& a, const Tensor& b) { return ops::add(a, b); }
-  static Tensor tanh(const Tensor& a) { return ops::tanh(a); }
-  static Tensor sum(const Tensor& a) { return ops::sum(a); }
-};
-
-struct ChainWorkload {
-  Tensor x = leaf(workload_tensor(11, {kChainNumel}, 1.0f));
-  Tensor c = workload_tensor(12, {kChainNumel}, 0.125f);
-
-  // One forward+backward; adds the two phase times. The gradient is dropped
-  // afterwards (set to none) so every call does the same work.
-  void step(double& forward_s, double& backward_s) {
-    auto t0 = Clock::now();
-    Tensor loss = run_chain<DifferentiableApi>(x, c);
-    synchronize_cpu();
-    auto t1 = Clock::now();
-    backward(loss);
-    synchronize_cpu();
-    auto t2 = Clock::now();
-    zero_grad(x);
-    forward_s += seconds(t0, t1);
-    backward_s += seconds(t1, t2);
-  }
-
-  // (chain output, sum of x's gradient): compared with LibTorch's.
-  std::vector<float> check() {
-    Tensor loss = run_chain<DifferentiableApi>(x, c);
-    backward(loss);
-    float g = ops::sum(grad(x)).item<float>();
-    zero_grad(x);
-    return {loss.item<float>(), g};
-  }
-};
-
-struct BlockParams {
-  Tensor ln1_w = leaf(workload_tensor(1, {kModel}, 0.125f, 1.0f));
-  Tensor ln1_b = leaf(workload_tensor(2, {kModel}, 0.125f));
-  Tensor w_qkv = leaf(workload_tensor(3, {3 * kModel, kModel}, 1.0f / 16));
-  Tensor w_o = leaf(workload_tensor(4, {kModel, kModel}, 1.0f / 16));
-  Tensor ln2_w = leaf(workload_tensor(5, {kModel}, 0.125f, 1.0f));
-  Tensor ln2_b = leaf(workload_tensor(6, {kModel}, 0.125f));
-  Tensor w_gate = leaf(workload_tensor(7, {kHidden, kModel}, 1.0f / 16));
-  Tensor w_up = leaf(workload_tensor(8, {kHidden, kModel}, 1.0f / 16));
-  Tensor w_down = leaf(workload_tensor(9, {kModel, kHidden}, 1.0f / 32));
-
-  // In the order of LibTorch's "check" array.
-  std::vector<Tensor*> all() {
-    return {&ln1_w, &ln1_b, &w_qkv, &w_o, &ln2_w, &ln2_b, &w_gate, &w_up, &w_down};
-  }
-};
-
-// x (B, S, d) -> mean of the block's output. Pre-norm causal self-attention
-// (fused qkv projection split nanoGPT-style, tandem's fused attention) and a
-// SwiGLU MLP, each with a residual; bias-free linears.
-Tensor block_loss(const BlockParams& p, const Tensor& x) {
-  constexpr int64_t B = kBatch, S = kSeq, D = kModel, H = kHeads, Dh = kModel / kHeads;
-  Tensor h = layer_norm(x, p.ln1_w, p.ln1_b, 1e-5);
-  std::vector<Tensor> qkv = split(linear(h, p.w_qkv), D, -1);  // 3 x (B, S, D)
-  auto heads = [&](const Tensor& t) { return transpose(reshape(t, {B, S, H, Dh}), 1, 2); };
-  AttentionOptions causal;
-  causal.causal = true;
-  Tensor a = scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), causal).out;
-  Tensor y = add(x, linear(reshape(transpose(a, 1, 2), {B, S, D}), p.w_o));  // (B, S, D)
-  h = layer_norm(y, p.ln2_w, p.ln2_b, 1e-5);
-  Tensor m = linear(mul(silu(linear(h, p.w_gate)), linear(h, p.w_up)), p.w_down);
-  return mean(add(y, m));
-}
-
-struct BlockWorkload {
-  BlockParams p;
-  Tensor x = workload_tensor(10, {kBatch, kSeq, kModel}, 1.0f);
-
-  void step(double& forward_s, double& backward_s) {
-    auto t0 = Clock::now();
-    Tensor loss = block_loss(p, x);
-    synchronize_cpu();
-    auto t1 = Clock::now();
-    backward(loss);
-    synchronize_cpu();
-    auto t2 = Clock::now();
-    for (Tensor* t : p.all())
-      zero_grad(*t);
-    forward_s += seconds(t0, t1);
-    backward_s += seconds(t1, t2);
-  }
-
-  // (loss, L2 norm of each parameter's gradient): compared with LibTorch's.
-  std::vector<float> check() {
-    Tensor loss = block_loss(p, x);
-    backward(loss);
-    std::vector<float> values = {loss.item<float>()};
-    for (Tensor* t : p.all()) {
-      Tensor g = grad(*t);
-      values.push_back(static_cast<float>(std::sqrt(ops::sum(ops::mul(g, g)).item_double())));
-      zero_grad(*t);
-    }
-    return values;
-  }
-};
-
-// ---- measuring ----
-
-// Per-call medians over trials; each trial repeats the call enough times to
-// last min_trial_s (the same protocol as the LibTorch program). cpu_s is the
-// process CPU time: at one thread it counts the work done whatever other
-// users' load steals from the wall clock.
-struct StepTimes {
-  double total_s = 0, forward_s = 0, backward_s = 0, cpu_s = 0;
-  int reps = 0;
-};
-using Step = std::function<void(double& forward_s, double& backward_s)>;
-
-StepTimes measure(const Step& step, int trials, double min_trial_s) {
-  double forward_s = 0, backward_s = 0;
-  step(forward_s, backward_s);  // warm-up: page faults, allocator cache
-  int reps = 1;
-  for (;;) {
-    auto start = Clock::now();
-    for (int i = 0; i < reps; ++i)
-      step(forward_s, backward_s);
-    double t = seconds(start, Clock::now());
-    if (t >= min_trial_s || reps >= (1 << 20)) break;
-    reps = std::max(2 * reps, static_cast<int>(std::ceil(reps * 1.2 * min_trial_s / t)));
-  }
-  std::vector<double> total, forward, backward, cpu;
-  for (int trial = 0; trial < trials; ++trial) {
-    forward_s = backward_s = 0;
-    double cpu_start = process_cpu_seconds();
-    auto start = Clock::now();
-    for (int i = 0; i < reps; ++i)
-      step(forward_s, backward_s);
-    total.push_back(seconds(start, Clock::now()) / reps);
-    cpu.push_back((process_cpu_seconds() - cpu_start) / reps);
-    forward.push_back(forward_s / reps);
-    backward.push_back(backward_s / reps);
-  }
-  StepTimes s;
-  s.total_s = median_of(total);
-  s.forward_s = median_of(forward);
-  s.backward_s = median_of(backward);
-  s.cpu_s = median_of(cpu);
-  s.reps = reps;
-  return s;
-}
-
 // Note [LibTorch rounds]
 // ~~~~~~~~~~~~~~~~~~~~~~
 // LibTorch cannot share tandem's process, so the pairing of Note [Benchmark
 // timing] happens one level up: a round measures tandem (chain; block at 1 and
 // 2 threads) and runs the LibTorch program twice (OpenMP wait policy left unset,
 // and OMP_WAIT_POLICY=passive, which on 2 shared cores can decide whether its
-// 2-thread step beats its 1-thread step), in an order that alternates between
+// 2-thread step beats its 1-thread step; on AVX-512 machines a third,
+// informational run: Note [LibTorch on OpenBLAS's AVX-512 kernel]), in an
+// order that alternates between
 // rounds. Each side reports per-call medians of the same trial protocol; a
 // row's ratio is the median over rounds of LibTorch's time / tandem's time in
 // that round, against the LibTorch setting with the lowest median over rounds.
@@ -334,9 +118,9 @@ std::string find_libtorch_program(std::string& why) {
   return path.string();
 }
 
-Json run_libtorch_program(const std::string& program, const std::string& policy,
+// `env`: the environment prefix of the command (an `env` invocation).
+Json run_libtorch_program(const std::string& program, const std::string& env,
                           const CompareConfig& config) {
-  std::string env = policy == "passive" ? "env OMP_WAIT_POLICY=passive" : "env -u OMP_WAIT_POLICY";
   std::string command = fmt::format("{} {} --chain-trials {} --block-trials {} --min-trial-ms {}",
                                     env, shell_quote(program), config.chain_trials,
                                     config.block_trials, config.min_trial_s * 1e3);
@@ -453,7 +237,7 @@ void bench_overhead_vs_ops(Report& report, const TimingConfig& config, Json& tan
     Tensor out;
     Kernel raw = [&](int reps) {
       for (int i = 0; i < reps; ++i)
-        out = run_chain<RawApi>(chain.x, chain.c);
+        out = chain.raw_forward();
       synchronize_cpu();
     };
     row.timing = time_interleaved(differentiable, raw, config);
@@ -502,9 +286,33 @@ Json measure_block_memory(BlockWorkload& block, std::string& text) {
 
 constexpr const char* kPolicies[] = {"unset", "passive"};  // OMP_WAIT_POLICY
 
+std::string policy_env(size_t p) {
+  return std::string(kPolicies[p]) == "passive" ? "env OMP_WAIT_POLICY=passive"
+                                                : "env -u OMP_WAIT_POLICY";
+}
+
+// Note [LibTorch on OpenBLAS's AVX-512 kernel]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Debian's OpenBLAS 0.3.21 runs its AVX2 Haswell kernel on AVX-512 CPUs it
+// does not know (AMD Zen 4/5), while tandem's f32 GEMM uses AVX-512 there
+// (Note [CPU GEMM backend] in tensor/cpu/gemm.cpp), which is most of tandem's
+// lead on the block. So on AVX-512 machines every round also runs LibTorch
+// with OPENBLAS_CORETYPE=SkylakeX (OpenBLAS's own AVX-512 kernels) and
+// OMP_WAIT_POLICY=passive, and reports tandem against it. It is informational:
+// the target rows compare with LibTorch as installed, as the issue defines them.
+bool avx512_machine() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+constexpr const char* kAvx512Env = "env OMP_WAIT_POLICY=passive OPENBLAS_CORETYPE=SkylakeX";
+
 struct Rounds {
   std::vector<TandemRound> tandem;
   std::vector<std::vector<Json>> libtorch;  // [round][policy]
+  std::vector<Json> libtorch_avx512;        // [round]; empty when not run
   std::string libtorch_error;               // the first failed LibTorch run
 };
 
@@ -529,12 +337,15 @@ Rounds run_rounds(const std::string& program, bool want_chain, bool want_block,
     ops::set_num_threads(1);
     rounds.tandem.push_back(std::move(r));
   };
+  const bool avx512 = want_block && avx512_machine();
   auto run_libtorch = [&](bool reversed) {
     std::vector<Json> runs(std::size(kPolicies));
     for (size_t i = 0; i < runs.size(); ++i) {
       size_t p = reversed ? runs.size() - 1 - i : i;
-      runs[p] = run_libtorch_program(program, kPolicies[p], config);
+      runs[p] = run_libtorch_program(program, policy_env(p), config);
     }
+    // Note [LibTorch on OpenBLAS's AVX-512 kernel].
+    if (avx512) rounds.libtorch_avx512.push_back(run_libtorch_program(program, kAvx512Env, config));
     rounds.libtorch.push_back(std::move(runs));
   };
   for (int round = 0; round < config.rounds; ++round) {
@@ -718,6 +529,37 @@ Json compare_cpu_time(const Rounds& rounds, bool want_chain, bool want_block, st
   return cpu;
 }
 
+// Note [LibTorch on OpenBLAS's AVX-512 kernel]: tandem's block step at each
+// thread setting over LibTorch's faster thread setting with OpenBLAS's AVX-512
+// kernels (median over rounds of the per-round ratio). Not a target row.
+Json compare_with_avx512_libtorch(const Rounds& rounds, std::string& text) {
+  LibTorchSetting best;
+  for (int threads : kThreadSettings) {
+    LibTorchSetting s;
+    s.label = fmt::format("{} thr, OMP_WAIT_POLICY passive, OPENBLAS_CORETYPE=SkylakeX", threads);
+    for (const Json& run : rounds.libtorch_avx512)
+      s.per_round.push_back(libtorch_seconds(run, "block", threads));
+    if (best.per_round.empty() || median_of(s.per_round) < median_of(best.per_round)) best = s;
+  }
+  Json j = {{"libtorch_setting", best.label},
+            {"libtorch_ms", median_of(best.per_round) * 1e3},
+            {"informational", true}};
+  text = fmt::format(
+      "\nLibTorch on OpenBLAS's AVX-512 kernels (informational, Note [LibTorch on OpenBLAS's "
+      "AVX-512 kernel]): block step {:.1f} ms ({}); tandem / that:",
+      median_of(best.per_round) * 1e3, best.label);
+  for (int threads : kThreadSettings) {
+    std::vector<double> ratios;
+    for (size_t r = 0; r < rounds.tandem.size() && r < best.per_round.size(); ++r)
+      ratios.push_back(rounds.tandem[r].block.at(threads).total_s / best.per_round[r]);
+    const double ratio = median_of(ratios);
+    j[fmt::format("tandem_{}_thread_over_libtorch", threads)] = ratio;
+    text += fmt::format(" {:.3f} at {} thread{}", ratio, threads, threads == 1 ? "" : "s");
+    if (threads != kThreadSettings[std::size(kThreadSettings) - 1]) text += ",";
+  }
+  return j;
+}
+
 // The rounds against LibTorch; without the LibTorch program, tandem's figures
 // only. Sets the "tandem" (adding to `tandem_json`), "libtorch",
 // "cpu_time_1_thread" and "comparison" JSON fields.
@@ -797,6 +639,10 @@ void bench_against_libtorch(Report& report, const Options& options, Json tandem_
                     c.at("pass").get<bool>() ? "PASS" : "MISS");
   }
   report.set("comparison", std::move(comparison), text);
+  if (want_block && !rounds.libtorch_avx512.empty()) {
+    Json avx = compare_with_avx512_libtorch(rounds, text);
+    report.set("libtorch_openblas_avx512", std::move(avx), text);
+  }
 }
 
 }  // namespace

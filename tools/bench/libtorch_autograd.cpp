@@ -34,7 +34,7 @@ using Clock = std::chrono::steady_clock;
 using Json = nlohmann::ordered_json;
 namespace F = torch::nn::functional;
 
-// Note [Autograd benchmark workload] in bench_autograd.cpp: these constants and
+// Note [Autograd benchmark workload] in bench_autograd_workload.h: these constants and
 // workload_values() must match that file bit for bit.
 constexpr int kChainOps = 1000;
 constexpr int64_t kChainNumel = 4;
@@ -70,7 +70,7 @@ double seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-// Process CPU time, reported next to wall time (see bench_autograd.cpp).
+// Process CPU time, reported next to wall time (see bench_autograd_workload.h).
 double process_cpu_seconds() {
   timespec ts{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
@@ -96,7 +96,7 @@ void set_threads(int n) {
   if (SetBlasThreads set = blas_thread_setter()) set(n);
 }
 
-// ---- the workloads (the same as bench_autograd.cpp's) ----
+// ---- the workloads (the same as bench_autograd_workload.cpp's) ----
 
 struct ChainWorkload {
   torch::Tensor x = leaf(workload_tensor(11, {kChainNumel}, 1.0f));
@@ -202,7 +202,7 @@ struct BlockWorkload {
   }
 };
 
-// ---- measuring: the protocol of bench_autograd.cpp's measure() ----
+// ---- measuring: the protocol of bench_autograd_workload.cpp's measure() ----
 
 using Step = std::function<void(double& forward_s, double& backward_s)>;
 

@@ -1,0 +1,498 @@
+// CPU fused scaled dot-product attention, forward and backward (interface in
+// tensor/kernels.h, front ends in tensor/ops_nn.cpp).
+//
+// Note [Fused CPU attention]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The composite attention (scores, mask, max, exp, sum, divide, two batched
+// GEMMs; twice that in backward) wrote and re-read several (B, H, Sq, Sk)
+// tensors per pass and computed the whole score matrix even under a causal
+// mask. Here each (batch, head) is processed in blocks of kBlockQ query rows,
+// and each block in tiles of kTile rows:
+//
+// - Causal skipping at tile granularity: a tile of query rows only computes
+//   scores against the keys its last row can see (rounded up to one SIMD
+//   width), so a causal pass does about half the multiply-adds of the full
+//   square (B=4, S=256, D=64: 55% with 8-row tiles); masked scores are never
+//   computed, never exponentiated and never multiplied.
+// - Exact softmax per row, not the online (running max) form: a block's rows
+//   of scores are at most kBlockQ x Sk values (64 KiB at Sk = 256), which stay
+//   in L2, so the row max is known before any exp and P needs no rescaling.
+// - Backward recomputes P = exp(scale * S - lse) from the saved log-sum-exp
+//   (the FlashAttention formulation of autograd's AttentionBackward), so no
+//   probabilities are saved between the passes. dK and dV accumulate in f32
+//   (f64) scratch over every query block and every query head of a group
+//   (grouped-query attention), which is why backward parallelises over
+//   (batch, kv head) and forward over (batch, query head, block).
+// - The products are small (k = D or a block) and run on a register-tiled
+//   micro-kernel (gemm_small) over GCC vector extensions, with K and V packed
+//   once per head into zero-padded, SIMD-aligned panels; OpenBLAS is not
+//   called, since its per-call set-up and threading decisions cost more than
+//   these products at D = 64.
+//
+// Rows that see no key (a causal shard entirely before its keys) get lse =
+// -inf, a zero output and zero gradients, as in the composite reference.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "tensor/cpu/parallel.h"
+#include "tensor/cpu/simd.h"
+#include "tensor/kernels.h"
+
+namespace tandem::cpu {
+namespace {
+
+using simd::kWidth;
+using simd::Vec;
+
+constexpr int64_t kBlockQ = 64;  // query rows per block
+constexpr int64_t kTile = 8;     // query rows per tile (the causal granularity)
+
+int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+
+// ---- the micro-kernel ----
+
+// Keeps GCC from re-reading a B vector as a memory operand of each of the MR
+// FMAs that use it (one load instead of MR); only where a 64-byte vector is
+// one register.
+#if defined(__AVX512F__)
+#define TANDEM_IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define TANDEM_IN_REGISTER(v) (void)0
+#endif
+
+// C[MR x NV*W] (= or +=) A[MR x k] B[k x NV*W]: A(i, p) = a[i * a_rs + p * a_cs],
+// B rows contiguous with stride ldb, C rows with stride ldc.
+template <class T, int MR, int NV>
+void tile_kernel(int64_t k, const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t ldb, T* c,
+                 int64_t ldc, bool accumulate) {
+  constexpr int64_t W = kWidth<T>;
+  Vec<T> acc[MR][NV];
+  for (int r = 0; r < MR; ++r) {
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = accumulate ? simd::load(c + r * ldc + v * W) : Vec<T>{};
+  }
+  for (int64_t p = 0; p < k; ++p) {
+    const T* bp = b + p * ldb;
+    Vec<T> bv[NV];
+    for (int v = 0; v < NV; ++v) {
+      bv[v] = simd::load(bp + v * W);
+      TANDEM_IN_REGISTER(bv[v]);
+    }
+    const T* ap = a + p * a_cs;
+    for (int r = 0; r < MR; ++r) {
+      Vec<T> av = simd::splat(ap[r * a_rs]);
+      TANDEM_IN_REGISTER(av);
+      for (int v = 0; v < NV; ++v)
+        acc[r][v] += av * bv[v];
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int v = 0; v < NV; ++v)
+      simd::store(c + r * ldc + v * W, acc[r][v]);
+  }
+}
+
+// tile_kernel with a run-time row count mr <= MR.
+template <class T, int MR, int NV>
+void rows_kernel(int64_t mr, int64_t k, const T* a, int64_t a_rs, int64_t a_cs, const T* b,
+                 int64_t ldb, T* c, int64_t ldc, bool accumulate) {
+  if constexpr (MR > 1) {
+    if (mr < MR)
+      return rows_kernel<T, MR - 1, NV>(mr, k, a, a_rs, a_cs, b, ldb, c, ldc, accumulate);
+  }
+  tile_kernel<T, MR, NV>(k, a, a_rs, a_cs, b, ldb, c, ldc, accumulate);
+}
+
+// C[m x n] (= or +=) A[m x k] B[k x n] for n a multiple of the SIMD width.
+// Register tiles: 4 rows x 4 vectors, else 8 rows x 2 or 1 vectors (at most
+// 16 accumulators, under the 32 vector registers of AVX-512).
+template <class T>
+void gemm_small(int64_t m, int64_t n, int64_t k, const T* a, int64_t a_rs, int64_t a_cs, const T* b,
+                int64_t ldb, T* c, int64_t ldc, bool accumulate) {
+  constexpr int64_t W = kWidth<T>;
+  int64_t j = 0;
+  for (; j + 4 * W <= n; j += 4 * W) {
+    for (int64_t i = 0; i < m; i += 4) {
+      rows_kernel<T, 4, 4>(std::min<int64_t>(4, m - i), k, a + i * a_rs, a_rs, a_cs, b + j, ldb,
+                           c + i * ldc + j, ldc, accumulate);
+    }
+  }
+  for (; j + 2 * W <= n; j += 2 * W) {
+    for (int64_t i = 0; i < m; i += 8) {
+      rows_kernel<T, 8, 2>(std::min<int64_t>(8, m - i), k, a + i * a_rs, a_rs, a_cs, b + j, ldb,
+                           c + i * ldc + j, ldc, accumulate);
+    }
+  }
+  for (; j < n; j += W) {
+    for (int64_t i = 0; i < m; i += 8) {
+      rows_kernel<T, 8, 1>(std::min<int64_t>(8, m - i), k, a + i * a_rs, a_rs, a_cs, b + j, ldb,
+                           c + i * ldc + j, ldc, accumulate);
+    }
+  }
+}
+
+// ---- row helpers ----
+
+// row[j] = exp(scale * row[j] - shift) for j < n; row[n, n_pad) = 0.
+template <class T>
+void exp_row(T* row, int64_t n, int64_t n_pad, T scale, T shift) {
+  constexpr int64_t W = kWidth<T>;
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; j + W <= n; j += W)
+      simd::store(row + j, simd::exp_vec(simd::load(row + j) * scale - shift));
+    if (j < n) {
+      Vec<T> x = simd::load_partial(row + j, n - j, T(0));
+      simd::store_partial(row + j, simd::exp_vec(x * scale - shift), n - j);
+      j = n;
+    }
+  } else {
+    for (; j < n; ++j)
+      row[j] = std::exp(scale * row[j] - shift);
+  }
+  for (; j < n_pad; ++j)
+    row[j] = T(0);
+}
+
+// max_j (sign * row[j]) for sign = +1 or -1, over j < n.
+template <class T>
+T row_max(const T* row, int64_t n, T sign) {
+  constexpr int64_t W = kWidth<T>;
+  T m = -std::numeric_limits<T>::infinity();
+  int64_t j = 0;
+  if (n >= W) {
+    Vec<T> acc = simd::load(row) * sign;
+    for (j = W; j + W <= n; j += W)
+      acc = simd::max(acc, simd::load(row + j) * sign);
+    m = simd::reduce_max(acc);
+  }
+  for (; j < n; ++j)
+    m = sign * row[j] > m ? sign * row[j] : m;
+  return m;
+}
+
+template <class T>
+T row_sum(const T* row, int64_t n) {
+  constexpr int64_t W = kWidth<T>;
+  Vec<T> acc{};
+  int64_t j = 0;
+  for (; j + W <= n; j += W)
+    acc += simd::load(row + j);
+  T s = simd::reduce_add(acc);
+  for (; j < n; ++j)
+    s += row[j];
+  return s;
+}
+
+// ---- layout ----
+
+// Element strides of a 4-D (B, H, S, D) operand (unit stride along D).
+struct Layout4 {
+  int64_t b, h, s;
+};
+Layout4 layout_of(const TensorArg& t) {
+  return {t.strides[0], t.strides[1], t.strides[2]};
+}
+
+// The shape facts every pass needs.
+struct Geometry {
+  int64_t B, Hq, Hkv, G, Sq, Sk, D, Dp, Skp;
+  bool causal;
+  int64_t q_offset, k_offset;
+  // Keys visible to query row i: [0, visible(i)).
+  int64_t visible(int64_t i) const {
+    if (!causal) return Sk;
+    return std::clamp<int64_t>(q_offset + i - k_offset + 1, 0, Sk);
+  }
+};
+
+template <class T>
+Geometry geometry_of(const AttentionArgs& a) {
+  Geometry g{};
+  g.B = a.batch;
+  g.Hq = a.heads_q;
+  g.Hkv = a.heads_kv;
+  g.G = a.heads_q / a.heads_kv;
+  g.Sq = a.seq_q;
+  g.Sk = a.seq_k;
+  g.D = a.dim;
+  g.Dp = round_up(a.dim, kWidth<T>);
+  g.Skp = round_up(a.seq_k, kWidth<T>);
+  g.causal = a.causal;
+  g.q_offset = a.q_offset;
+  g.k_offset = a.k_offset;
+  return g;
+}
+
+// dst (D x Skp) = src^T zero-padded, src rows j < Sk with stride `rs`; in
+// blocks of 16 rows, so that writes run along dst's rows and the 16 source
+// rows stay in L1.
+template <class T, class S>
+void pack_transposed(const S* src, int64_t rs, const Geometry& g, T* dst) {
+  constexpr int64_t kRows = 16;
+  for (int64_t j0 = 0; j0 < g.Skp; j0 += kRows) {
+    const int64_t j1 = std::min(j0 + kRows, g.Sk);
+    for (int64_t d = 0; d < g.D; ++d) {
+      T* out = dst + d * g.Skp;
+      int64_t j = j0;
+      for (; j < j1; ++j)
+        out[j] = static_cast<T>(src[j * rs + d]);
+      for (; j < std::min(j0 + kRows, g.Skp); ++j)
+        out[j] = T(0);
+    }
+  }
+}
+
+// dst (rows x Dp) = src zero-padded, src rows with stride `rs`.
+template <class T, class S>
+void pack_rows(const S* src, int64_t rs, int64_t rows, const Geometry& g, T* dst) {
+  for (int64_t j = 0; j < rows; ++j) {
+    for (int64_t d = 0; d < g.D; ++d)
+      dst[j * g.Dp + d] = static_cast<T>(src[j * rs + d]);
+    std::fill(dst + j * g.Dp + g.D, dst + (j + 1) * g.Dp, T(0));
+  }
+}
+
+// Per-thread scratch, grown on demand and kept (a few MiB at most for the
+// sequence lengths attention runs at on a CPU).
+template <class T>
+T* scratch(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
+// ---- forward ----
+
+template <class T>
+void attention_forward(const AttentionArgs& args, const TensorArg& q, const TensorArg& k,
+                       const TensorArg& v, const TensorArg& out, const TensorArg& lse) {
+  const Geometry g = geometry_of<T>(args);
+  const T scale = static_cast<T>(args.scale);
+  const Layout4 lq = layout_of(q), lk = layout_of(k), lv = layout_of(v), lo = layout_of(out);
+  const T* qp = static_cast<const T*>(q.data);
+  const T* kp = static_cast<const T*>(k.data);
+  const T* vp = static_cast<const T*>(v.data);
+  T* op = static_cast<T*>(out.data);
+  float* lse_p = static_cast<float*>(lse.data);
+  const int64_t blocks = (g.Sq + kBlockQ - 1) / kBlockQ;
+  // Tasks: (batch, query head, block); the packing of K and V is repeated per
+  // block, O(Sk D) against the block's O(kBlockQ Sk D) products.
+  parallel_for(g.B * g.Hq * blocks, 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<T> kt_buf, v_buf, s_buf, o_buf;
+    T* kt = scratch(kt_buf, g.D * g.Skp);
+    T* vb = scratch(v_buf, g.Sk * g.Dp);
+    T* s = scratch(s_buf, kBlockQ * g.Skp);
+    T* ob = scratch(o_buf, kTile * g.Dp);
+    int64_t packed_head = -1;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t blk = t % blocks, bh = t / blocks, b = bh / g.Hq, h = bh % g.Hq;
+      const int64_t hkv = h / g.G;
+      const int64_t i0 = blk * kBlockQ, rows = std::min(kBlockQ, g.Sq - i0);
+      if (b * g.Hkv + hkv != packed_head) {
+        pack_transposed(kp + b * lk.b + hkv * lk.h, lk.s, g, kt);
+        pack_rows(vp + b * lv.b + hkv * lv.h, lv.s, g.Sk, g, vb);
+        packed_head = b * g.Hkv + hkv;
+      }
+      const T* qb = qp + b * lq.b + h * lq.h + i0 * lq.s;
+      T* obase = op + b * lo.b + h * lo.h + i0 * lo.s;
+      float* lse_row = lse_p + (b * g.Hq + h) * g.Sq + i0;
+      for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+        const int64_t tr = std::min(kTile, rows - r0);
+        const int64_t tile_end = g.visible(i0 + r0 + tr - 1);
+        const int64_t tile_pad = round_up(tile_end, kWidth<T>);
+        T* st = s + r0 * g.Skp;
+        if (tile_end > 0)
+          gemm_small(tr, tile_pad, g.D, qb + r0 * lq.s, lq.s, 1, kt, g.Skp, st, g.Skp, false);
+        for (int64_t r = 0; r < tr; ++r) {
+          T* row = st + r * g.Skp;
+          const int64_t n = g.visible(i0 + r0 + r);
+          if (n == 0) {
+            std::fill(row, row + tile_pad, T(0));
+            lse_row[r0 + r] = -std::numeric_limits<float>::infinity();
+            continue;
+          }
+          // max_j (scale * S_ij), for a scale of either sign.
+          const T sign = scale < T(0) ? T(-1) : T(1);
+          const T m = row_max(row, n, sign) * sign * scale;
+          exp_row(row, n, tile_pad, scale, m);
+          const T sum = row_sum(row, n);
+          const T inv = T(1) / sum;
+          for (int64_t j = 0; j < n; ++j)
+            row[j] *= inv;
+          lse_row[r0 + r] = static_cast<float>(m + std::log(sum));
+        }
+        if (tile_end > 0) {
+          gemm_small(tr, g.Dp, tile_end, st, g.Skp, 1, vb, g.Dp, ob, g.Dp, false);
+        } else {
+          std::fill(ob, ob + tr * g.Dp, T(0));
+        }
+        for (int64_t r = 0; r < tr; ++r)
+          std::copy(ob + r * g.Dp, ob + r * g.Dp + g.D, obase + (r0 + r) * lo.s);
+      }
+    }
+  });
+}
+
+// ---- backward ----
+
+template <class T>
+void attention_backward(const AttentionArgs& args, const TensorArg& q, const TensorArg& k,
+                        const TensorArg& v, const TensorArg& out, const TensorArg& lse,
+                        const TensorArg& dout, const TensorArg& dq, const TensorArg& dk,
+                        const TensorArg& dv) {
+  const Geometry g = geometry_of<T>(args);
+  const T scale = static_cast<T>(args.scale);
+  const Layout4 lq = layout_of(q), lk = layout_of(k), lv = layout_of(v), lo = layout_of(out);
+  const Layout4 ldo = layout_of(dout), ldq = layout_of(dq), ldk = layout_of(dk),
+                ldv = layout_of(dv);
+  const T* qp = static_cast<const T*>(q.data);
+  const T* kp = static_cast<const T*>(k.data);
+  const T* vp = static_cast<const T*>(v.data);
+  const T* op = static_cast<const T*>(out.data);
+  const T* dop = static_cast<const T*>(dout.data);
+  const float* lse_p = static_cast<const float*>(lse.data);
+  T* dqp = static_cast<T*>(dq.data);
+  T* dkp = static_cast<T*>(dk.data);
+  T* dvp = static_cast<T*>(dv.data);
+  parallel_for(g.B * g.Hkv, 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<T> kt_buf, vt_buf, k_buf, dk_buf, dv_buf, p_buf, ds_buf, qb_buf,
+        dob_buf, dqt_buf;
+    T* kt = scratch(kt_buf, g.D * g.Skp);
+    T* vt = scratch(vt_buf, g.D * g.Skp);
+    T* kr = scratch(k_buf, g.Skp * g.Dp);
+    T* dka = scratch(dk_buf, g.Skp * g.Dp);
+    T* dva = scratch(dv_buf, g.Skp * g.Dp);
+    T* p = scratch(p_buf, kBlockQ * g.Skp);
+    T* ds = scratch(ds_buf, kBlockQ * g.Skp);
+    T* qblk = scratch(qb_buf, kBlockQ * g.Dp);
+    T* doblk = scratch(dob_buf, kBlockQ * g.Dp);
+    T* dqt = scratch(dqt_buf, kTile * g.Dp);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / g.Hkv, hkv = t % g.Hkv;
+      const T* kh = kp + b * lk.b + hkv * lk.h;
+      const T* vh = vp + b * lv.b + hkv * lv.h;
+      pack_transposed(kh, lk.s, g, kt);
+      pack_transposed(vh, lv.s, g, vt);
+      pack_rows(kh, lk.s, g.Sk, g, kr);
+      std::fill(kr + g.Sk * g.Dp, kr + g.Skp * g.Dp, T(0));
+      std::fill(dka, dka + g.Skp * g.Dp, T(0));
+      std::fill(dva, dva + g.Skp * g.Dp, T(0));
+      for (int64_t h = hkv * g.G; h < (hkv + 1) * g.G; ++h) {
+        const T* qh = qp + b * lq.b + h * lq.h;
+        const T* oh = op + b * lo.b + h * lo.h;
+        const T* doh = dop + b * ldo.b + h * ldo.h;
+        T* dqh = dqp + b * ldq.b + h * ldq.h;
+        const float* lse_h = lse_p + (b * g.Hq + h) * g.Sq;
+        for (int64_t i0 = 0; i0 < g.Sq; i0 += kBlockQ) {
+          const int64_t rows = std::min(kBlockQ, g.Sq - i0);
+          const int64_t kv_end = g.visible(i0 + rows - 1);
+          if (kv_end == 0) {  // no row of the block sees a key
+            for (int64_t r = 0; r < rows; ++r)
+              std::fill(dqh + (i0 + r) * ldq.s, dqh + (i0 + r) * ldq.s + g.D, T(0));
+            continue;
+          }
+          const int64_t kv_pad = round_up(kv_end, kWidth<T>);
+          pack_rows(qh + i0 * lq.s, lq.s, rows, g, qblk);
+          pack_rows(doh + i0 * ldo.s, ldo.s, rows, g, doblk);
+          for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+            const int64_t tr = std::min(kTile, rows - r0);
+            const int64_t tile_end = g.visible(i0 + r0 + tr - 1);
+            const int64_t tile_pad = round_up(tile_end, kWidth<T>);
+            T* pt = p + r0 * g.Skp;
+            T* dst = ds + r0 * g.Skp;
+            if (tile_end > 0) {
+              // S = Q K^T, dP = dO V^T for the tile's visible keys.
+              gemm_small(tr, tile_pad, g.D, qblk + r0 * g.Dp, g.Dp, 1, kt, g.Skp, pt, g.Skp, false);
+              gemm_small(tr, tile_pad, g.D, doblk + r0 * g.Dp, g.Dp, 1, vt, g.Skp, dst, g.Skp,
+                         false);
+            }
+            for (int64_t r = 0; r < tr; ++r) {
+              const int64_t i = i0 + r0 + r;
+              T* prow = pt + r * g.Skp;
+              T* dsrow = dst + r * g.Skp;
+              const int64_t n = g.visible(i);
+              const float l = lse_h[i];
+              if (n == 0 || !std::isfinite(l)) {  // no visible key: P = 0
+                std::fill(prow, prow + kv_pad, T(0));
+                std::fill(dsrow, dsrow + kv_pad, T(0));
+                continue;
+              }
+              exp_row(prow, n, kv_pad, scale, static_cast<T>(l));
+              // delta = rowsum(dO * O) = rowsum(P * dP) for this row's output.
+              const T* orow = oh + i * lo.s;
+              const T* dorow = doh + i * ldo.s;
+              T delta = 0;
+              for (int64_t d = 0; d < g.D; ++d)
+                delta += dorow[d] * orow[d];
+              for (int64_t j = 0; j < n; ++j)
+                dsrow[j] = prow[j] * (dsrow[j] - delta) * scale;
+              std::fill(dsrow + n, dsrow + kv_pad, T(0));
+            }
+            // dQ = dS K for the tile.
+            if (tile_end > 0) {
+              gemm_small(tr, g.Dp, tile_end, dst, g.Skp, 1, kr, g.Dp, dqt, g.Dp, false);
+            } else {
+              std::fill(dqt, dqt + tr * g.Dp, T(0));
+            }
+            for (int64_t r = 0; r < tr; ++r) {
+              std::copy(dqt + r * g.Dp, dqt + r * g.Dp + g.D, dqh + (i0 + r0 + r) * ldq.s);
+            }
+          }
+          // dV += P^T dO and dK += dS^T Q over the block's rows; a tile of
+          // keys only needs the rows that can see its first key.
+          for (int64_t j0 = 0; j0 < kv_pad; j0 += kTile) {
+            const int64_t tj = std::min(kTile, kv_pad - j0);
+            const int64_t r_start =
+                g.causal ? std::clamp<int64_t>(j0 + g.k_offset - g.q_offset - i0, 0, rows) : 0;
+            const int64_t kk = rows - r_start;
+            if (kk == 0) continue;
+            gemm_small(tj, g.Dp, kk, p + r_start * g.Skp + j0, 1, g.Skp, doblk + r_start * g.Dp,
+                       g.Dp, dva + j0 * g.Dp, g.Dp, true);
+            gemm_small(tj, g.Dp, kk, ds + r_start * g.Skp + j0, 1, g.Skp, qblk + r_start * g.Dp,
+                       g.Dp, dka + j0 * g.Dp, g.Dp, true);
+          }
+        }
+      }
+      T* dkh = dkp + b * ldk.b + hkv * ldk.h;
+      T* dvh = dvp + b * ldv.b + hkv * ldv.h;
+      for (int64_t j = 0; j < g.Sk; ++j) {
+        std::copy(dka + j * g.Dp, dka + j * g.Dp + g.D, dkh + j * ldk.s);
+        std::copy(dva + j * g.Dp, dva + j * g.Dp + g.D, dvh + j * ldv.s);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void attention(const AttentionArgs& args, const TensorArg& q, const TensorArg& k,
+               const TensorArg& v, const TensorArg& out, const TensorArg& lse) {
+  switch (q.dtype) {
+    case DType::F32:
+      return attention_forward<float>(args, q, k, v, out, lse);
+    case DType::F64:
+      return attention_forward<double>(args, q, k, v, out, lse);
+    default:
+      TANDEM_FAIL("[cpu::attention] expected f32 or f64, got {}", dtype_name(q.dtype));
+  }
+}
+
+void attention_backward(const AttentionArgs& args, const TensorArg& q, const TensorArg& k,
+                        const TensorArg& v, const TensorArg& out, const TensorArg& lse,
+                        const TensorArg& dout, const TensorArg& dq, const TensorArg& dk,
+                        const TensorArg& dv) {
+  switch (q.dtype) {
+    case DType::F32:
+      return attention_backward<float>(args, q, k, v, out, lse, dout, dq, dk, dv);
+    case DType::F64:
+      return attention_backward<double>(args, q, k, v, out, lse, dout, dq, dk, dv);
+    default:
+      TANDEM_FAIL("[cpu::attention_backward] expected f32 or f64, got {}", dtype_name(q.dtype));
+  }
+}
+
+}  // namespace tandem::cpu
