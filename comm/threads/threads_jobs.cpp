@@ -1,0 +1,329 @@
+// The jobs of the threads backend's rounds (threads_jobs.h).
+#include "comm/threads/threads_jobs.h"
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "runtime/error.h"
+#include "tensor/dtype.h"
+
+namespace tandem::threads_detail {
+
+std::string what_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+namespace {
+
+// Note [Threads reductions]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// out[i] = in_0[i] op in_1[i] op ... op in_{n-1}[i] in rank order, stored in
+// the dtype after every step (exactly what a chain of reduce_into() calls
+// computes, with the same arithmetic), then divided by n for Avg. Every rank,
+// and every way of splitting the elements between ranks, so produces the
+// same bits. The partial result of a block of elements stays in cache while
+// the ranks' inputs stream through, instead of one pass over the whole
+// output per rank.
+//
+// An all_reduce of at least kSplitAllReduceBytes is split, reduce-scatter
+// style, into two phases of jobs (Note [Threads rounds]): first, job r
+// reduces chunk r (1/n of the elements) into rank r's output; once all those
+// ended, job r copies the other chunks into rank r's output from the outputs
+// that hold them. Each output then costs reading about 2x the buffer instead
+// of n x, at the price of a wait between the phases, which only pays off for
+// large buffers.
+constexpr int64_t kReduceBlock = 8192;
+constexpr size_t kSplitAllReduceBytes = 256 * 1024;
+
+// y[i] = f(...f(f(start[i], x[0][i]), x[1][i])..., x[k-1][i]) for k <= 3,
+// stored as T after every step. `start` may be `y`.
+template <class T, class A, class F>
+void accumulate(T* y, const T* start, const T* const* x, int k, int64_t m, F f) {
+  switch (k) {
+    case 1:
+      for (int64_t i = 0; i < m; ++i)
+        y[i] = static_cast<T>(f(A(start[i]), A(x[0][i])));
+      return;
+    case 2:
+      for (int64_t i = 0; i < m; ++i) {
+        T t = static_cast<T>(f(A(start[i]), A(x[0][i])));
+        y[i] = static_cast<T>(f(A(t), A(x[1][i])));
+      }
+      return;
+    default:
+      for (int64_t i = 0; i < m; ++i) {
+        T t = static_cast<T>(f(A(start[i]), A(x[0][i])));
+        t = static_cast<T>(f(A(t), A(x[1][i])));
+        y[i] = static_cast<T>(f(A(t), A(x[2][i])));
+      }
+      return;
+  }
+}
+
+// `inputs` point at the first element to reduce of each rank's input. Up to
+// three ranks are folded in per pass over a block, with the elementwise
+// kernels' arithmetic (tensor/cpu/elementwise.cpp), so the bits are those of
+// reduce_into() chains.
+void reduce_ranks(RedOp op, DType dtype, const std::vector<const void*>& inputs, void* out,
+                  int64_t count) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = std::conditional_t<std::is_same_v<T, bool>, int32_t, acc_t<T>>;
+    const int n = static_cast<int>(inputs.size());
+    auto run = [&](auto f) {
+      std::vector<const T*> x(static_cast<size_t>(n));
+      for (int64_t b = 0; b < count; b += kReduceBlock) {
+        const int64_t m = std::min(kReduceBlock, count - b);
+        for (int r = 0; r < n; ++r)
+          x[r] = static_cast<const T*>(inputs[r]) + b;
+        T* y = static_cast<T*>(out) + b;
+        if (n == 1) std::copy(x[0], x[0] + m, y);
+        for (int done = 1; done < n; done += 3) {
+          accumulate<T, A>(y, done == 1 ? x[0] : y, x.data() + done, std::min(3, n - done), m, f);
+        }
+        if (op == RedOp::Avg) {
+          if constexpr (std::is_integral_v<A>) {
+            for (int64_t i = 0; i < m; ++i)
+              y[i] = static_cast<T>(A(y[i]) / static_cast<A>(n));
+          } else {
+            const A d = static_cast<A>(n);
+            for (int64_t i = 0; i < m; ++i)
+              y[i] = static_cast<T>(A(y[i]) / d);
+          }
+        }
+      }
+    };
+    switch (op) {
+      case RedOp::Sum:
+      case RedOp::Avg:
+        run([](A a, A v) { return static_cast<A>(a + v); });
+        break;
+      case RedOp::Max:
+        run([](A a, A v) { return a != a ? a : (a > v ? a : v); });
+        break;
+      case RedOp::Min:
+        run([](A a, A v) { return a != a ? a : (a < v ? a : v); });
+        break;
+    }
+  });
+}
+
+// Elements [lo, hi) of `count` that rank r reduces in a split all_reduce.
+std::pair<int64_t, int64_t> chunk_of(int r, int n, int64_t count) {
+  const int64_t per = (count + n - 1) / n;
+  const int64_t lo = std::min<int64_t>(r * per, count);
+  return {lo, std::min(lo + per, count)};
+}
+
+}  // namespace
+
+// ---- the jobs (any thread runs them; they only read the round's posts) ----
+//
+// Note [Threads jobs]
+// ~~~~~~~~~~~~~~~~~~~
+// An all_gather or all_to_all of rank r is n *pieces*: piece (r, s) copies
+// rank s's part into rank r's output and can run as soon as r and s have
+// posted, so the first ranks to post start copying while the last ones are
+// still launching (the naive version waits for everyone). Other collectives
+// give each rank one job, runnable once every rank has posted (a reduction
+// reads every input), and a split all_reduce a second one (Note [Threads
+// reductions]).
+//
+// A job's claim flag opens when its inputs are posted. A poster publishes
+// its post in its `posted` counter, then opens the pieces it can now run
+// with every rank that has posted already, and, if every rank has, the
+// whole-part jobs. Publications and the checks that follow them are
+// sequentially consistent, so of two ranks posting at once at least one
+// sees the other (opening twice is harmless). Drivers claim open jobs, this
+// rank's first, run them and count them down in `left`, which every poster
+// raises by its number of jobs before it publishes: a rank's jobs all need
+// every rank's post, so `left` reaches 0 exactly once, when every job of
+// the round has run, and whoever brings it there retires the round.
+//
+// A sealed round (Note [Threads rounds]) may have pieces running: a claim
+// re-reads the state after it is taken and skips the job once sealed, and
+// a Work of a sealed round fails only after the claims in flight have ended
+// (compare-and-swap on the claim, then read the state; compare-and-swap on
+// the state, then read the claims: either the claimer sees the seal or the
+// sealer sees the claim).
+
+bool has_pieces(const Post& p) {
+  return p.kind == CollectiveKind::AllGather || p.kind == CollectiveKind::AllToAll;
+}
+
+// Whether rank p's all_reduce is split into two phases (Note [Threads reductions]).
+bool splits(const Post& p, int n) {
+  return n > 1 && p.kind == CollectiveKind::AllReduce && p.input.nbytes() >= kSplitAllReduceBytes;
+}
+
+int64_t jobs_of(const Post& p, int n) {
+  return has_pieces(p) ? n : splits(p, n) ? 2 : 1;
+}
+
+namespace {
+
+[[noreturn]] void diverge(const Round& R, int index, int other) {
+  const Post& me = R.posts[index];
+  throw Error(fmt::format(
+      "[comm::checked] {}: collectives diverge: rank {} launched {} while rank {} launched "
+      "{} (same position in the group's launch order; check that every rank issues the "
+      "same collectives in the same order with the same shapes)",
+      *me.where, index, me.entry.str(), other, R.posts[other].entry.str()));
+}
+
+void check_fingerprints(const Round& R, int index) {
+  const Post& me = R.posts[index];
+  if (!me.checked) return;
+  for (int r = 0; r < R.n; ++r) {
+    if (R.posts[r].fingerprint != me.fingerprint) diverge(R, index, r);
+  }
+}
+
+}  // namespace
+
+// Piece (index, source) of an all_gather or all_to_all (Note [Threads jobs]).
+void copy_piece(const Round& R, int index, int source) {
+  const Post& me = R.posts[index];
+  const Post& peer = R.posts[source];
+  if (me.checked && peer.fingerprint != me.fingerprint) diverge(R, index, source);
+  // Only reachable with checked mode off; guards the reads below.
+  TANDEM_CHECK(peer.kind == me.kind && peer.input.dtype() == me.input.dtype() &&
+                   (me.kind == CollectiveKind::AllToAll
+                        ? peer.input_splits.size() == static_cast<size_t>(R.n)
+                        : peer.input.nbytes() == me.input.nbytes()),
+               "[comm::{}] {}: rank {} posted {} while rank {} runs {} (checked mode is off)",
+               collective_name(me.kind), *me.where, source, peer.entry.str(), index,
+               me.entry.str());
+  char* out = static_cast<char*>(me.output.raw_data());
+  const char* in = static_cast<const char*>(peer.input.raw_data());
+  if (me.kind == CollectiveKind::AllGather) {
+    const size_t chunk = me.input.nbytes();
+    std::memcpy(out + source * chunk, in, chunk);
+    return;
+  }
+  TANDEM_CHECK(peer.input_splits[index] == me.output_splits[source],
+               "[comm::all_to_all] {}: split sizes disagree: rank {} sends {} rows to rank {}, "
+               "which expects {} rows from it",
+               *me.where, source, peer.input_splits[index], index, me.output_splits[source]);
+  const int64_t in_rows = me.input.shape()[0], out_rows = me.output.shape()[0];
+  const int64_t row_bytes = in_rows > 0    ? static_cast<int64_t>(me.input.nbytes()) / in_rows
+                            : out_rows > 0 ? static_cast<int64_t>(me.output.nbytes()) / out_rows
+                                           : 0;
+  int64_t out_row = 0, in_row = 0;
+  for (int r = 0; r < source; ++r)
+    out_row += me.output_splits[r];
+  for (int r = 0; r < index; ++r)
+    in_row += peer.input_splits[r];
+  const int64_t bytes = me.output_splits[source] * row_bytes;
+  if (bytes > 0) {
+    std::memcpy(out + out_row * row_bytes, in + in_row * row_bytes, static_cast<size_t>(bytes));
+  }
+}
+
+namespace {
+
+// First phase of a split all_reduce: chunk `index` of every input, reduced
+// into the same chunk of rank `index`'s output.
+void reduce_chunk(const Round& R, int index) {
+  const Post& me = R.posts[index];
+  const int n = R.n;
+  const int64_t count = me.input.numel();
+  for (int r = 0; r < n; ++r) {
+    const Post& peer = R.posts[r];
+    // Only reachable with checked mode off; guards the reads below.
+    TANDEM_CHECK(peer.kind == CollectiveKind::AllReduce && peer.input.numel() == count &&
+                     peer.input.dtype() == me.input.dtype(),
+                 "[comm::all_reduce] {}: rank {} posted {} while rank {} all_reduces {} {} "
+                 "(checked mode is off)",
+                 *me.where, r, peer.entry.str(), index, dtype_name(me.input.dtype()),
+                 me.input.shape());
+  }
+  auto [lo, hi] = chunk_of(index, n, count);
+  if (hi <= lo) return;
+  const size_t element = me.input.element_size();
+  std::vector<const void*> inputs(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r)
+    inputs[r] = static_cast<const char*>(R.posts[r].input.raw_data()) + lo * element;
+  reduce_ranks(me.op, me.input.dtype(), inputs,
+               static_cast<char*>(me.output.raw_data()) + lo * element, hi - lo);
+}
+
+}  // namespace
+
+// Second phase: the other chunks, from the outputs of the ranks that reduced
+// them (every rank splits: reduce_chunk checked it).
+void copy_peer_chunks(Round& R, int index) {
+  const Post& me = R.posts[index];
+  const int n = R.n;
+  {
+    std::lock_guard<std::mutex> lock(R.errors_mu);
+    if (R.errors[index]) return;  // its own first phase failed
+    for (int r = 0; r < n; ++r) {
+      if (R.errors[r]) {
+        throw CommAbortedError(
+            fmt::format("[comm::all_reduce] {}: rank {} failed to reduce its chunk: {}", *me.where,
+                        r, what_of(R.errors[r])));
+      }
+    }
+  }
+  const int64_t count = me.output.numel();
+  const size_t element = me.output.element_size();
+  for (int r = 0; r < n; ++r) {
+    auto [lo, hi] = chunk_of(r, n, count);
+    if (r == index || hi <= lo) continue;
+    std::memcpy(static_cast<char*>(me.output.raw_data()) + lo * element,
+                static_cast<const char*>(R.posts[r].output.raw_data()) + lo * element,
+                static_cast<size_t>(hi - lo) * element);
+  }
+}
+
+// Rank `index`'s whole part, once every rank has posted: a reduction,
+// broadcast or barrier, or the first phase of a split all_reduce.
+void run_whole(const Round& R, int index) {
+  const Post& me = R.posts[index];
+  const int n = R.n;
+  check_fingerprints(R, index);
+  if (splits(me, n)) {
+    reduce_chunk(R, index);
+    return;
+  }
+  switch (me.kind) {
+    case CollectiveKind::Barrier:
+      return;
+    case CollectiveKind::AllReduce: {
+      std::vector<const void*> inputs(static_cast<size_t>(n));
+      for (int r = 0; r < n; ++r)
+        inputs[r] = R.posts[r].input.raw_data();
+      reduce_ranks(me.op, me.output.dtype(), inputs, me.output.raw_data(), me.output.numel());
+      return;
+    }
+    case CollectiveKind::Broadcast: {
+      const Tensor& src = R.posts[me.root].input;
+      std::memcpy(me.output.raw_data(), src.raw_data(), me.output.nbytes());
+      return;
+    }
+    case CollectiveKind::ReduceScatter: {
+      const size_t offset = static_cast<size_t>(index) * me.output.nbytes();
+      std::vector<const void*> inputs(static_cast<size_t>(n));
+      for (int r = 0; r < n; ++r)
+        inputs[r] = static_cast<const char*>(R.posts[r].input.raw_data()) + offset;
+      reduce_ranks(me.op, me.output.dtype(), inputs, me.output.raw_data(), me.output.numel());
+      return;
+    }
+    default:
+      TANDEM_FAIL("[comm::{}] backend threads does not support {} ({})", collective_name(me.kind),
+                  collective_name(me.kind), *me.where);
+  }
+}
+
+}  // namespace tandem::threads_detail
