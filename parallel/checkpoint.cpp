@@ -1,8 +1,6 @@
 #include "parallel/checkpoint.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -15,6 +13,7 @@
 #include <sstream>
 
 #include "runtime/error.h"
+#include "tensor/file_io.h"
 #include "tensor/ops.h"
 #include "tensor/safetensors.h"
 
@@ -42,17 +41,6 @@ void fault_point(const std::string& stage) {
 
 std::string step_dir_name(int64_t step) {
   return fmt::format("step-{:08d}", step);
-}
-
-void fsync_directory(const fs::path& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  TANDEM_CHECK(fd >= 0, "[checkpoint] cannot open directory '{}' to fsync it: {}", dir.string(),
-               std::strerror(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  TANDEM_CHECK(rc == 0, "[checkpoint] fsync of directory '{}' failed: {}", dir.string(),
-               std::strerror(err));
 }
 
 void write_text_atomically(const std::string& path, const std::string& text) {
@@ -280,7 +268,7 @@ std::string save_checkpoint(const std::string& root_path, int64_t step,
     fault_point("meta");
     if (fs::exists(final_dir)) fs::remove_all(final_dir);  // the same step saved again
     fs::rename(tmp_dir, final_dir);
-    fsync_directory(root);
+    sync_directory(root.string(), "checkpoint::save");
     fault_point("renamed");
     write_text_atomically((root / "latest").string(), step_dir_name(step) + "\n");
     fault_point("latest");

@@ -56,22 +56,29 @@ void write_all(int fd, const std::string& path, uint64_t offset, const void* dat
   }
 }
 
-// fsync of the directory holding a renamed file, so the rename itself survives
-// a crash. Some file systems cannot sync directories (EINVAL): nothing to do.
-void fsync_directory(const std::string& path) {
-  std::filesystem::path parent = std::filesystem::path(path).parent_path();
-  const std::string dir = parent.empty() ? std::string(".") : parent.string();
+}  // namespace
+
+void sync_directory(const std::string& dir, std::string_view who) {
   Fd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   TANDEM_CHECK(fd.get() >= 0,
-               "[tensor::write_file_atomically] expected to open directory {} to sync the rename "
-               "of {}, got {} (the new file is in place but may not survive a crash)",
-               dir, path, errno_text(errno));
+               "[{}] expected to open directory {} to sync it, got {} (what was renamed or "
+               "created in it may not survive a crash)",
+               who, dir, errno_text(errno));
   if (::fsync(fd.get()) != 0 && errno != EINVAL && errno != ENOTSUP) {
     TANDEM_FAIL(
-        "[tensor::write_file_atomically] expected fsync of directory {} to succeed, got {} "
-        "(the new file {} is in place but may not survive a crash)",
-        dir, errno_text(errno), path);
+        "[{}] expected fsync of directory {} to succeed, got {} (what was renamed or created "
+        "in it may not survive a crash)",
+        who, dir, errno_text(errno));
   }
+}
+
+namespace {
+
+// fsync of the directory holding a renamed file, so the rename itself survives a crash.
+void fsync_directory(const std::string& path) {
+  std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  sync_directory(parent.empty() ? std::string(".") : parent.string(),
+                 "tensor::write_file_atomically");
 }
 
 // ---- CRC-32C tables (slicing by 8) ----

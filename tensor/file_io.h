@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 
 namespace tandem {
 
@@ -66,6 +67,11 @@ class FileWriter {
 // fsync'ed. When `write` (or any step) throws, the temporary file is removed,
 // `path` is left as it was and the exception propagates.
 void write_file_atomically(const std::string& path, const std::function<void(FileWriter&)>& write);
+
+// fsync of directory `dir`, so that what was renamed or created in it
+// survives a crash. A file system that cannot sync directories (EINVAL,
+// ENOTSUP) is accepted. Errors name `who` ("checkpoint::save").
+void sync_directory(const std::string& dir, std::string_view who);
 
 // ---- CRC-32C (Castagnoli, as in iSCSI/ext4: reflected 0x82F63B78) ----
 
