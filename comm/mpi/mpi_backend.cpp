@@ -3,6 +3,7 @@
 // mpi_executor.cpp.
 #include "comm/mpi/mpi_backend.h"
 
+#include <cstdlib>
 #include <numeric>
 
 #include "comm/mpi/mpi_check.h"
@@ -106,6 +107,13 @@ void MpiProcessGroup::launch(Collective& c) {
   executor_->submit(channel_, collective_task(self(), std::move(c)), driven);
 }
 
+void MpiProcessGroup::set_up_board() {
+  if (!options().checked || size() == 1) return;
+  if (const char* env = std::getenv("TANDEM_MPI_BOARD"); env != nullptr && std::string(env) == "0")
+    return;
+  executor_->submit(channel_, board_task(self()));
+}
+
 WorkPtr MpiProcessGroup::make_work(std::string description) {
   return std::make_shared<MpiWork>(std::move(description), executor_);
 }
@@ -142,7 +150,10 @@ std::shared_ptr<ProcessGroup> MpiProcessGroup::make_subgroup(const std::vector<i
     members.push_back(world_ranks()[r]);
   ProcessGroupOptions sub = options();
   sub.name = name;
-  return std::make_shared<MpiProcessGroup>(executor_, comm, new_rank, std::move(members), sub);
+  auto group =
+      std::make_shared<MpiProcessGroup>(executor_, comm, new_rank, std::move(members), sub);
+  group->set_up_board();
+  return group;
 }
 
 }  // namespace mpi
@@ -157,8 +168,10 @@ ProcessGroupPtr mpi_world(ProcessGroupOptions options) {
   MPI_Comm comm = mpi::take(result, "mpi_world");
   std::vector<int> ranks(static_cast<size_t>(ex->world_size()));
   std::iota(ranks.begin(), ranks.end(), 0);
-  return std::make_shared<mpi::MpiProcessGroup>(ex, comm, ex->world_rank(), std::move(ranks),
-                                                std::move(options));
+  auto group = std::make_shared<mpi::MpiProcessGroup>(ex, comm, ex->world_rank(), std::move(ranks),
+                                                      std::move(options));
+  group->set_up_board();
+  return group;
 }
 
 void mpi_finalize() {

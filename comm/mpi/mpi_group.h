@@ -3,11 +3,13 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <future>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "comm/mpi/mpi_board.h"
 #include "comm/mpi/mpi_executor.h"
 #include "comm/process_group.h"
 
@@ -27,6 +29,17 @@ class MpiProcessGroup final : public ProcessGroup {
 
   // mpi_check_entry() (mpi_backend.h).
   WorkPtr check_entry(const LedgerEntry& entry);
+
+  // Note [MPI fingerprint board]. set_up_board() queues the set-up as the
+  // group's first task (right after construction; checked mode only). The
+  // rest runs in passes, under the executor's progress lock.
+  void set_up_board();
+  Board* board() const { return board_.get(); }
+  void set_board(std::unique_ptr<Board> board) { board_ = std::move(board); }
+  uint64_t next_handshake() { return handshakes_++; }
+  // Whether the set-up has ended and the board is used (tests).
+  bool uses_board() const { return has_board_.load(); }
+  void board_decided(bool used) { has_board_.store(used); }
   [[noreturn]] void unsupported_kind(CollectiveKind kind) const {
     unsupported(collective_name(kind));
   }
@@ -43,6 +56,9 @@ class MpiProcessGroup final : public ProcessGroup {
 
   std::shared_ptr<Executor> executor_;
   std::shared_ptr<Channel> channel_;
+  std::unique_ptr<Board> board_;
+  uint64_t handshakes_ = 0;
+  std::atomic<bool> has_board_{false};
 };
 
 // The tasks of mpi_tasks.cpp. Each keeps its group alive until it finishes.
@@ -55,6 +71,8 @@ std::unique_ptr<Task> check_task(std::shared_ptr<MpiProcessGroup> group, LedgerE
 // non-members (new_rank < 0).
 std::unique_ptr<Task> split_task(std::shared_ptr<MpiProcessGroup> group, LedgerEntry entry,
                                  int new_rank, std::promise<MPI_Comm> result);
+// Note [MPI fingerprint board]: maps the group's board, or decides it has none.
+std::unique_ptr<Task> board_task(std::shared_ptr<MpiProcessGroup> group);
 // MPI_Comm_idup of MPI_COMM_WORLD (on the executor's world channel), bounded.
 std::unique_ptr<Task> dup_world_task(Executor& executor, std::chrono::milliseconds timeout,
                                      std::promise<MPI_Comm> result);

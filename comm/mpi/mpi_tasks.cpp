@@ -7,9 +7,14 @@
 // stage calls done(). Everything a pending request may read or write lives in
 // the task's Scratch, which an orphan keeps alive when the task is abandoned
 // (Note [One MPI executor]).
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <optional>
+#include <random>
+#include <thread>
 
 #include <fmt/ranges.h>
 
@@ -33,16 +38,8 @@ using Clock = std::chrono::steady_clock;
 // from s) over s to `expected`; the sums over ranks agree exactly when every
 // sender and receiver agree (but for a 2^-64 chance). Only when they do not,
 // a second round gathers the lists to name the pair. So a checked all_to_all
-// costs one small collective before the data moves, like any other.
-struct Hello {
-  uint64_t fingerprint;
-  int32_t failed;  // 1 when this rank found an error before the collective
-  // An all_to_all whose send and receive counts all equal this (else -1): when
-  // every rank's does, the task runs MPI_Ialltoall instead of MPI_Ialltoallv.
-  int32_t even;
-  uint64_t sent;  // all_to_all split sizes (above); 0 for other collectives
-  uint64_t expected;
-};
+// costs one small collective before the data moves, like any other (or
+// none: Note [MPI fingerprint board]). Hello is in mpi_board.h.
 constexpr size_t kDescBytes = 1024;
 
 // h(sender, receiver, rows) of the split check (splitmix64's finaliser).
@@ -62,6 +59,10 @@ struct Scratch {
   std::vector<char> desc, descs;
   std::vector<int64_t> splits, all_splits;  // this rank's input then output splits; every rank's
   std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
+  // The board's set-up (BoardTask): {node id, pid, nonce} then "mapped" per rank.
+  std::vector<uint64_t> place, places;
+  int32_t mapped = 0;
+  std::vector<int32_t> all_mapped;
 };
 
 std::string what_of(const std::exception_ptr& error) {
@@ -106,6 +107,17 @@ class StagedTask : public Task {
     try {
       if (first) begin();
       while (!done_) {
+        if (poll_) {
+          if (!poll_()) {
+            if (Clock::now() > deadline_) {
+              waiting_for_ = poll_what_();
+              expire();
+            }
+            std::this_thread::yield();  // the ranks it waits for may need this core
+            return false;
+          }
+          poll_ = nullptr;
+        }
         if (!requests_.empty()) {
           int flag = 0;
           statuses_.resize(requests_.size());
@@ -153,6 +165,14 @@ class StagedTask : public Task {
     waiting_for_ = std::move(waiting_for);
     next_ = std::move(next);
   }
+  // `next` runs once `ready` returns true, tested at each pass; `waiting_for`
+  // says what for when the deadline passes first.
+  void poll_until(std::function<bool()> ready, std::function<std::string()> waiting_for,
+                  std::function<void()> next) {
+    poll_ = std::move(ready);
+    poll_what_ = std::move(waiting_for);
+    next_ = std::move(next);
+  }
   void done() { done_ = true; }
   // Statuses of the requests of the stage that just completed, in post order.
   const std::vector<MPI_Status>& statuses() const { return statuses_; }
@@ -177,31 +197,66 @@ class StagedTask : public Task {
       }
     }
     s.hellos.assign(static_cast<size_t>(n), Hello{});
+    if (Board* board = group_->board()) {
+      handshake_on_board(*board, std::move(next));
+      return;
+    }
     TANDEM_MPI_CHECK(MPI_Iallgather(&s.hello, sizeof(Hello), MPI_BYTE, s.hellos.data(),
                                     sizeof(Hello), MPI_BYTE, comm(), post()));
-    then("the checked-mode fingerprint exchange", [this, next = std::move(next)] {
-      const Scratch& s = *scratch_;
-      bool agree = std::all_of(s.hellos.begin(), s.hellos.end(), [&](const Hello& h) {
-        return h.fingerprint == s.hello.fingerprint && h.failed == 0;
-      });
-      if (!agree) {
-        describe();  // every rank saw the same table, so every rank gets here
-        return;
-      }
-      uint64_t sent = 0, expected = 0;
-      for (const Hello& h : s.hellos) {
-        sent += h.sent;
-        expected += h.expected;
-      }
-      if (sent != expected) {
-        gather_splits();  // likewise on every rank
-        return;
-      }
-      all_even_ = std::all_of(s.hellos.begin(), s.hellos.end(), [&](const Hello& h) {
-        return h.even >= 0 && h.even == s.hello.even;
-      });
-      next();
+    then("the checked-mode fingerprint exchange",
+         [this, next = std::move(next)]() mutable { compare(std::move(next)); });
+  }
+
+  // The same exchange through the group's board (Note [MPI fingerprint board]).
+  void handshake_on_board(Board& board, std::function<void()> next) {
+    const uint64_t h = group_->next_handshake();
+    Board* b = &board;  // the group, which owns it, outlives this task
+    auto written = [this, b, h, next = std::move(next)]() mutable {
+      b->write(h, scratch_->hello);
+      poll_until([b, h] { return b->complete(h); },
+                 [b, h] {
+                   return fmt::format(
+                       "the checked-mode fingerprints of ranks [{}] (handshake {} on the "
+                       "shared-memory board, Note [MPI fingerprint board])",
+                       fmt::join(b->not_written(h), ","), h);
+                 },
+                 [this, b, h, next = std::move(next)]() mutable {
+                   b->read(h, scratch_->hellos);
+                   compare(std::move(next));
+                 });
+    };
+    poll_until([b, h] { return b->slot_free(h); },
+               [b, h] {
+                 return fmt::format(
+                     "ranks [{}] to read handshake {} of the shared-memory board, whose slot "
+                     "handshake {} reuses (Note [MPI fingerprint board])",
+                     fmt::join(b->not_read(h), ","), h - Board::kSlots, h);
+               },
+               std::move(written));
+  }
+
+  // Decides on the exchanged table (the same on every rank).
+  void compare(std::function<void()> next) {
+    const Scratch& s = *scratch_;
+    bool agree = std::all_of(s.hellos.begin(), s.hellos.end(), [&](const Hello& h) {
+      return h.fingerprint == s.hello.fingerprint && h.failed == 0;
     });
+    if (!agree) {
+      describe();  // every rank saw the same table, so every rank gets here
+      return;
+    }
+    uint64_t sent = 0, expected = 0;
+    for (const Hello& h : s.hellos) {
+      sent += h.sent;
+      expected += h.expected;
+    }
+    if (sent != expected) {
+      gather_splits();  // likewise on every rank
+      return;
+    }
+    all_even_ = std::all_of(s.hellos.begin(), s.hellos.end(),
+                            [&](const Hello& h) { return h.even >= 0 && h.even == s.hello.even; });
+    next();
   }
 
   std::shared_ptr<MpiProcessGroup> group_;
@@ -326,12 +381,15 @@ class StagedTask : public Task {
     }
     requests_.clear();
     next_ = nullptr;
+    poll_ = nullptr;
     if (!orphan.requests.empty()) group_->executor().adopt(std::move(orphan));
     group_->channel()->mark_unusable(reason);
   }
 
   std::vector<MPI_Request> requests_;
   std::vector<MPI_Status> statuses_;
+  std::function<bool()> poll_;  // a stage that waits on the board, not on requests
+  std::function<std::string()> poll_what_;
   std::function<void()> next_;
   std::string waiting_for_;
   std::exception_ptr local_;
@@ -601,6 +659,87 @@ class CheckTask final : public StagedTask {
   WorkPtr work_;
 };
 
+// ---- the fingerprint board's set-up ----
+
+// This machine, as far as shared memory goes: the host name and the boot id.
+uint64_t node_id() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  std::string id = host;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  if (boot >> boot_id) id += "/" + boot_id;
+  return std::hash<std::string>{}(id);
+}
+
+// Note [MPI fingerprint board]: where every rank is, then whether every rank
+// mapped the board. Every rank sees the same two tables and so decides alike.
+class BoardTask final : public StagedTask {
+ public:
+  explicit BoardTask(std::shared_ptr<MpiProcessGroup> group)
+      : StagedTask(std::move(group), board_entry()) {}
+  void fail(std::exception_ptr) noexcept override {}  // the group keeps the MPI handshake
+
+ protected:
+  void begin() override {
+    Scratch& s = *scratch_;
+    const int n = group_->size();
+    std::random_device random;
+    const uint64_t nonce = uint64_t{random()} << 32 | random();
+    s.place = {node_id(), static_cast<uint64_t>(::getpid()), nonce};
+    s.places.assign(3 * static_cast<size_t>(n), 0);
+    TANDEM_MPI_CHECK(MPI_Iallgather(s.place.data(), 3, MPI_UINT64_T, s.places.data(), 3,
+                                    MPI_UINT64_T, comm(), post()));
+    then("every rank's node id (the fingerprint board's set-up)", [this] { map(); });
+  }
+
+ private:
+  static LedgerEntry board_entry() {
+    LedgerEntry e;
+    e.op = "fingerprint board set-up";
+    return e;
+  }
+
+  void map() {
+    Scratch& s = *scratch_;
+    const int n = group_->size();
+    for (int r = 0; r < n; ++r) {
+      if (s.places[3 * static_cast<size_t>(r)] != s.places[0]) {
+        done();  // the group spans nodes: the MPI handshake stays
+        return;
+      }
+    }
+    name_ = fmt::format("/tandem-board-{}-{:016x}", s.places[1], s.places[2]);
+    std::string why;
+    board_ = Board::open(name_, n, group_->rank(), why);
+    if (!board_)
+      log_warn(
+          "[comm::mpi] {}: no fingerprint board ({}); checked mode uses "
+          "MPI_Iallgather",
+          group_->where(), why);
+    s.mapped = board_ ? 1 : 0;
+    s.all_mapped.assign(static_cast<size_t>(n), 0);
+    TANDEM_MPI_CHECK(MPI_Iallgather(&s.mapped, 1, MPI_INT32_T, s.all_mapped.data(), 1, MPI_INT32_T,
+                                    comm(), post()));
+    then("every rank's mapping of the fingerprint board", [this] { install(); });
+  }
+
+  void install() {
+    const Scratch& s = *scratch_;
+    if (group_->rank() == 0) Board::unlink(name_);  // every rank has opened it, or gave up
+    const bool all =
+        std::all_of(s.all_mapped.begin(), s.all_mapped.end(), [](int32_t m) { return m == 1; });
+    if (all) {
+      group_->set_board(std::move(board_));
+      group_->board_decided(true);
+    }
+    done();
+  }
+
+  std::string name_;
+  std::unique_ptr<Board> board_;
+};
+
 // ---- split ----
 
 class SplitTask final : public StagedTask {
@@ -710,6 +849,10 @@ std::unique_ptr<Task> split_task(std::shared_ptr<MpiProcessGroup> group, LedgerE
                                  int new_rank, std::promise<MPI_Comm> result) {
   return std::make_unique<SplitTask>(std::move(group), std::move(entry), new_rank,
                                      std::move(result));
+}
+
+std::unique_ptr<Task> board_task(std::shared_ptr<MpiProcessGroup> group) {
+  return std::make_unique<BoardTask>(std::move(group));
 }
 
 std::unique_ptr<Task> dup_world_task(Executor& executor, std::chrono::milliseconds timeout,

@@ -10,12 +10,14 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 #include <string>
 #include <thread>
 
 #include "comm/backend.h"
 #include "comm/mpi/mpi_backend.h"
+#include "comm/mpi/mpi_group.h"
 #include "tests/comm/mpi/mpi_test_util.h"
 #include "tests/support/test_util.h"
 
@@ -531,6 +533,63 @@ TEST_CASE("mpi Work: waited on another thread, polled, or left to the executor",
   }
   CHECK(values_of(wa->result()) == expected_a);
   CHECK(values_of(wb->result()) == expected_b);
+  test::check_all_ranks_passed();
+}
+
+// Note [MPI fingerprint board]: on one node, checked mode compares
+// fingerprints through shared memory (unless TANDEM_MPI_BOARD=0, as in the
+// mpi-no-board run of this suite); the ring of slots is reused many times
+// over, also with launches far ahead of their waits, and a missing peer is
+// reported within the deadline like any other wait.
+TEST_CASE("mpi checked mode: the fingerprint board", "[mpi]") {
+  using namespace std::chrono;
+  const char* env = std::getenv("TANDEM_MPI_BOARD");
+  const bool board_expected = env == nullptr || std::string(env) != "0";
+  ProcessGroupPtr w = world();
+  const int r = w->rank(), n = w->size();
+  const int rounds = 3 * static_cast<int>(mpi::Board::kSlots);
+  for (int i = 0; i < rounds; ++i) {
+    WorkPtr sum = w->all_reduce(ops::full(Shape{2}, static_cast<double>(i + r)));
+    sum->synchronize();
+    CHECK(values_of(sum->result())[0] == static_cast<double>(n * i + n * (n - 1) / 2));
+  }
+  auto* mpi_group = dynamic_cast<mpi::MpiProcessGroup*>(w.get());
+  REQUIRE(mpi_group != nullptr);
+  CHECK(mpi_group->uses_board() == board_expected);
+  ProcessGroupPtr unchecked = world(/*checked=*/false, seconds(30), "unchecked");
+  unchecked->barrier()->synchronize();
+  CHECK_FALSE(dynamic_cast<mpi::MpiProcessGroup*>(unchecked.get())->uses_board());
+
+  // Launched far ahead of the waits: handshake h waits for slot h - kSlots
+  // to be read by every rank.
+  std::vector<WorkPtr> gathers;
+  for (int i = 0; i < rounds; ++i)
+    gathers.push_back(w->all_gather(ops::full(Shape{1}, static_cast<double>(100 * i + r))));
+  for (int i = 0; i < rounds; ++i) {
+    gathers[i]->synchronize();
+    std::vector<double> expected;
+    for (int q = 0; q < n; ++q)
+      expected.push_back(100.0 * i + q);
+    CHECK(values_of(gathers[i]->result()) == expected);
+  }
+
+  // A peer that never joins: the wait on the board is bounded and names it.
+  ProcessGroupPtr timed = world(/*checked=*/true, milliseconds(500), "board-watchdog");
+  ProcessGroupPtr pair = timed->split({0, 1});
+  if (r == 0) {
+    auto start = steady_clock::now();
+    std::string message = what_of(pair->all_reduce(ops::ones(Shape{4})));
+    auto waited = duration_cast<milliseconds>(steady_clock::now() - start).count();
+    CHECK(waited >= 450);
+    CHECK(waited < 5000);
+    CHECK_THAT(message, Contains("[comm::watchdog]") && Contains("#0 all_reduce"));
+    if (board_expected) {
+      CHECK_THAT(message, Contains("fingerprints of ranks [1]") && Contains("shared-memory board"));
+    } else {
+      CHECK_THAT(message, Contains("checked-mode fingerprint exchange"));
+    }
+  }
+  w->barrier()->synchronize();
   test::check_all_ranks_passed();
 }
 
