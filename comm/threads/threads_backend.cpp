@@ -54,9 +54,9 @@ using Clock = std::chrono::steady_clock;
 //   Note [Threads reductions]). Any thread may run any job after claiming
 //   it (a compare-and-swap on a flag tagged with the round's use of its ring
 //   slot, so a late thread cannot claim a job of the slot's next round).
-// - Whoever *drives* the round claims the open jobs, its own rank's first,
-//   and runs them: a thread in Work::synchronize() or wait() (so the waiting
-//   rank copies its own output, as the naive version does),
+// - Whoever *drives* the round claims the open jobs (in the order of Note
+//   [Threads job order]) and runs them: a thread in Work::synchronize() or
+//   wait() (so the waiting ranks do the copies, as in the naive version),
 //   Work::is_completed() (without waiting), the comm thread for a Work no
 //   thread of this backend waits on (a wrapper's, or one with a completion
 //   callback), and the group's destructor. A driver whose own jobs are taken
@@ -285,20 +285,30 @@ struct SharedGroup {
     notify();
   }
 
-  // Claims and runs the open jobs of R in use `use`, rank `first`'s first;
-  // true when it ran any.
+  // Claims and runs the open jobs of R in use `use`; true when it ran any.
+  // Rank `first`'s whole-part job and second phase come first (its output
+  // then sits in its core's cache); pieces go source by source (Note
+  // [Threads job order]).
   bool run_jobs(Round& R, uint64_t use, int first) {
     bool ran = false;
-    for (int i = 0; i < size; ++i) {
-      const int r = (first + i) % size;
-      for (int j = 0; j <= size; ++j) {
-        const int source = j < size ? (r + j) % size : -1;  // -1: the second phase
-        std::atomic<uint64_t>& claim = source >= 0 ? R.piece(r, source) : R.second(r);
-        uint64_t open = open_in(use);
-        if (claim.load() != open || !claim.compare_exchange_strong(open, claimed_in(use))) continue;
-        ran = true;
-        if (finish_job(R, use, claim, r, source)) return true;  // retired: R is no longer ours
+    // 1 when the job ran and retired the round, 0 when it ran, -1 when it
+    // was not open.
+    auto run = [&](int r, int source) {  // source -1: the second phase
+      std::atomic<uint64_t>& claim = source >= 0 ? R.piece(r, source) : R.second(r);
+      uint64_t open = open_in(use);
+      if (claim.load() != open || !claim.compare_exchange_strong(open, claimed_in(use))) return -1;
+      ran = true;
+      return finish_job(R, use, claim, r, source) ? 1 : 0;
+    };
+    if (!has_pieces(R.posts[first]) && (run(first, first) == 1 || run(first, -1) == 1))
+      return true;  // retired: R is no longer ours
+    for (int source = 0; source < size; ++source) {
+      for (int i = 0; i < size; ++i) {
+        if (run((first + i) % size, source) == 1) return true;
       }
+    }
+    for (int i = 1; i < size; ++i) {
+      if (run((first + i) % size, -1) == 1) return true;
     }
     return ran;
   }

@@ -144,11 +144,23 @@ std::pair<int64_t, int64_t> chunk_of(int r, int n, int64_t count) {
 // with every rank that has posted already, and, if every rank has, the
 // whole-part jobs. Publications and the checks that follow them are
 // sequentially consistent, so of two ranks posting at once at least one
-// sees the other (opening twice is harmless). Drivers claim open jobs, this
-// rank's first, run them and count them down in `left`, which every poster
+// sees the other (opening twice is harmless). Drivers claim open jobs (Note
+// [Threads job order]), run them and count them down in `left`, which every poster
 // raises by its number of jobs before it publishes: a rank's jobs all need
 // every rank's post, so `left` reaches 0 exactly once, when every job of
 // the round has run, and whoever brings it there retires the round.
+//
+// Note [Threads job order]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A driver runs its own rank's whole-part job (a reduction's output stays
+// in its core's cache), then the open pieces source by source: (0, s) ...
+// (n-1, s) before (., s+1). Every thread that drives therefore copies from
+// the same input at about the same time, as the naive version's ranks do
+// when each copies its peers' shards in rank order, and a large input is
+// read from memory once and from the shared cache by the others: a 64 MiB
+// all_gather of 4 ranks (16 MiB inputs, 32 MiB L3) went from 0.87-0.89x
+// the naive version (each driver starting at its own rank's pieces, so
+// four inputs streamed at once) to 0.94-1.06x.
 //
 // A sealed round (Note [Threads rounds]) may have pieces running: a claim
 // re-reads the state after it is taken and skips the job once sealed, and
