@@ -1,0 +1,156 @@
+// SharedGroup's jobs and retirement, and the futex calls (threads_group.h).
+#include "comm/threads/threads_group.h"
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <climits>
+#include <ctime>
+#include <utility>
+
+#include "runtime/logging.h"
+#include "runtime/trace.h"
+
+namespace tandem {
+namespace threads_detail {
+
+void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, std::chrono::nanoseconds timeout) {
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t));
+  const auto ns = timeout.count();
+  timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, &ts, nullptr,
+          0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>& word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+          nullptr, 0);
+}
+
+}  // namespace threads_detail
+
+void SharedGroup::open_jobs(Round& R, uint64_t use, uint64_t k, int me) {
+  bool all = true;
+  const bool mine = has_pieces(R.posts[me]);
+  for (int r = 0; r < size; ++r) {
+    if (posted[r].load() <= k) {
+      all = false;
+      continue;
+    }
+    if (mine) open(R.piece(me, r), use);
+    if (r != me && has_pieces(R.posts[r])) open(R.piece(r, me), use);
+  }
+  if (all) {
+    int split = 0;
+    for (int r = 0; r < size; ++r)
+      split += splits(R.posts[r], size) ? 1 : 0;
+    R.split_ranks.store(split);
+    for (int r = 0; r < size; ++r) {
+      if (!has_pieces(R.posts[r])) open(R.piece(r, r), use);
+    }
+  }
+  R.opened.fetch_add(1);
+  notify();
+}
+
+bool SharedGroup::run_jobs(Round& R, uint64_t use, int first) {
+  bool ran = false;
+  // 1 when the job ran and retired the round, 0 when it ran, -1 when it
+  // was not open.
+  auto run = [&](int r, int source) {  // source -1: the second phase
+    std::atomic<uint64_t>& claim = source >= 0 ? R.piece(r, source) : R.second(r);
+    uint64_t open = open_in(use);
+    if (claim.load() != open || !claim.compare_exchange_strong(open, claimed_in(use))) return -1;
+    ran = true;
+    return finish_job(R, use, claim, r, source) ? 1 : 0;
+  };
+  if (!has_pieces(R.posts[first]) && (run(first, first) == 1 || run(first, -1) == 1))
+    return true;  // retired: R is no longer ours
+  for (int source = 0; source < size; ++source) {
+    for (int i = 0; i < size; ++i) {
+      if (run((first + i) % size, source) == 1) return true;
+    }
+  }
+  for (int i = 1; i < size; ++i) {
+    if (run((first + i) % size, -1) == 1) return true;
+  }
+  return ran;
+}
+
+bool SharedGroup::finish_job(Round& R, uint64_t use, std::atomic<uint64_t>& claim, int r,
+                             int source) {
+  bool first_phase = false;  // of a split all_reduce
+  if ((R.state.load() & kSealed) == 0) {
+    try {
+      if (source < 0) {
+        copy_peer_chunks(R, r);
+      } else if (has_pieces(R.posts[r])) {
+        copy_piece(R, r, source);
+      } else {
+        first_phase = splits(R.posts[r], size);
+        run_whole(R, r);
+      }
+    } catch (...) {
+      R.fail(r, std::current_exception());
+    }
+  }
+  claim.store(done_in(use));
+  // Still counted in `left`, so the posts stay.
+  if (first_phase && R.split_done.fetch_add(1) + 1 == R.split_ranks.load()) {
+    for (int q = 0; q < size; ++q) {
+      if (splits(R.posts[q], size)) open(R.second(q), use);
+    }
+    R.opened.fetch_add(1);
+    notify();
+  }
+  if (R.left.fetch_sub(1) != 1) return false;
+  retire(R, use);
+  return true;
+}
+
+void SharedGroup::wait_for_jobs(Round& R, uint64_t use) {
+  for (size_t j = 0; j < static_cast<size_t>(size) * (size + 1); ++j) {
+    while (R.claims[j].load() == claimed_in(use))
+      std::this_thread::yield();
+  }
+}
+
+void SharedGroup::retire(Round& R, uint64_t use) {
+  std::vector<std::pair<WorkPtr, std::exception_ptr>> works(static_cast<size_t>(size));
+  std::string failed;
+  for (int r = 0; r < size; ++r) {
+    Post& p = R.posts[r];
+    works[r] = {std::move(p.work), std::exchange(R.errors[r], nullptr)};
+    if (works[r].second && failed.empty()) {
+      failed = fmt::format("rank {} failed in #{} {}: {}", r, p.entry.seq, collective_name(p.kind),
+                           what_of(works[r].second));
+    }
+    if (p.start_us > 0 && trace_enabled()) {
+      trace_complete("comm", fmt::format("{} #{}", collective_name(p.kind), p.entry.seq),
+                     p.start_us, trace_now_us() - p.start_us,
+                     fmt::format("\"seq\":{},\"group\":\"{}\"", p.entry.seq, name),
+                     fmt::format("comm r{} {}", r, name));
+    }
+    p.input = Tensor();
+    p.output = Tensor();
+  }
+  for (size_t j = 0; j < static_cast<size_t>(size) * (size + 1); ++j)
+    R.claims[j].store(closed_in(use + 1));
+  R.left.store(0);
+  R.split_ranks.store(-1);
+  R.split_done.store(0);
+  if (!failed.empty()) abort(failed);
+  for (auto& [work, error] : works) {
+    try {
+      work->finish(error);
+    } catch (const std::exception& e) {  // a completion callback's: not the round's
+      log_error("[comm::threads] a completion callback of {} threw: {}", work->description(),
+                e.what());
+    }
+  }
+  R.state.store((use + 1) << kUseShift);
+  notify();
+}
+
+}  // namespace tandem
