@@ -15,6 +15,8 @@ namespace tandem {
 namespace mpi {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 // Extra time a caller waits for a setup task beyond the task's own bound
 // (the task may sit behind earlier, themselves bounded, tasks).
 constexpr std::chrono::seconds kSetupMargin{5};
@@ -36,6 +38,64 @@ MPI_Comm take(std::future<MPI_Comm>& result, const std::string& what) {
   }
   return result.get();
 }
+
+// MPI_Comm_idup of MPI_COMM_WORLD on the executor's world channel, bounded
+// (mpi_world).
+class DupWorldTask final : public Task {
+ public:
+  DupWorldTask(Executor& executor, std::chrono::milliseconds timeout, std::promise<MPI_Comm> result)
+      : executor_(executor),
+        timeout_(timeout),
+        result_(std::move(result)),
+        comm_(std::make_shared<MPI_Comm>(MPI_COMM_NULL)) {}
+
+  std::string label() const override {
+    return fmt::format("rank={}/{} mpi_world", executor_.world_rank(), executor_.world_size());
+  }
+
+  bool advance() override {
+    if (!posted_) {
+      TANDEM_MPI_CHECK(MPI_Comm_idup(MPI_COMM_WORLD, comm_.get(), &request_));
+      posted_ = true;
+      deadline_ = Clock::now() + timeout_;
+    }
+    int flag = 0;
+    TANDEM_MPI_CHECK(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE));
+    if (flag != 0) {
+      TANDEM_MPI_CHECK(MPI_Comm_set_errhandler(*comm_, MPI_ERRORS_RETURN));
+      result_.set_value(*comm_);
+      delivered_ = true;
+      return true;
+    }
+    if (Clock::now() > deadline_) {
+      std::string report = fmt::format(
+          "[comm::watchdog] {} waited {} ms for every process of MPI_COMM_WORLD to call "
+          "mpi_world (MPI_Comm_idup); a collective cannot be cancelled, so the MPI backend "
+          "cannot create world groups in this process any more",
+          label(), timeout_.count());
+      executor_.adopt(Orphan{{request_}, comm_});
+      executor_.world_channel()->mark_unusable(report);
+      log_error("{}", report);
+      throw TimeoutError(report);
+    }
+    return false;
+  }
+
+  void fail(std::exception_ptr error) noexcept override {
+    if (!delivered_) result_.set_exception(error);
+    delivered_ = true;
+  }
+
+ private:
+  Executor& executor_;  // the process's executor, which runs this task
+  std::chrono::milliseconds timeout_;
+  std::promise<MPI_Comm> result_;
+  std::shared_ptr<MPI_Comm> comm_;  // written by MPI when the idup completes
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  bool posted_ = false;
+  bool delivered_ = false;
+  Clock::time_point deadline_;
+};
 
 // The Work of a collective of this backend: a thread that waits on it runs
 // the executor's passes itself (Note [MPI progress]).
@@ -164,7 +224,8 @@ ProcessGroupPtr mpi_world(ProcessGroupOptions options) {
   std::future<MPI_Comm> result = promise.get_future();
   // A world group is setup, not a training collective: it waits for the
   // slowest process up to wait_timeout(), not the group's (maybe tiny) timeout.
-  ex->submit(ex->world_channel(), mpi::dup_world_task(*ex, wait_timeout(), std::move(promise)));
+  ex->submit(ex->world_channel(),
+             std::make_unique<mpi::DupWorldTask>(*ex, wait_timeout(), std::move(promise)));
   MPI_Comm comm = mpi::take(result, "mpi_world");
   std::vector<int> ranks(static_cast<size_t>(ex->world_size()));
   std::iota(ranks.begin(), ranks.end(), 0);

@@ -73,8 +73,5 @@ std::unique_ptr<Task> split_task(std::shared_ptr<MpiProcessGroup> group, LedgerE
                                  int new_rank, std::promise<MPI_Comm> result);
 // Note [MPI fingerprint board]: maps the group's board, or decides it has none.
 std::unique_ptr<Task> board_task(std::shared_ptr<MpiProcessGroup> group);
-// MPI_Comm_idup of MPI_COMM_WORLD (on the executor's world channel), bounded.
-std::unique_ptr<Task> dup_world_task(Executor& executor, std::chrono::milliseconds timeout,
-                                     std::promise<MPI_Comm> result);
 
 }  // namespace tandem::mpi

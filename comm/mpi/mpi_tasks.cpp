@@ -1,5 +1,6 @@
 // The tasks the MPI executor runs: collectives, point-to-point batches, the
-// checked-mode handshake, splits and the duplicate of MPI_COMM_WORLD.
+// checked-mode handshake, the fingerprint board's set-up and splits (the
+// duplicate of MPI_COMM_WORLD is in mpi_backend.cpp).
 //
 // A task is a chain of stages. A stage posts nonblocking MPI calls (post())
 // and names what runs once they have all completed (then()); the executor
@@ -776,64 +777,6 @@ class SplitTask final : public StagedTask {
   bool delivered_ = false;
 };
 
-// ---- the world duplicate ----
-
-class DupWorldTask final : public Task {
- public:
-  DupWorldTask(Executor& executor, std::chrono::milliseconds timeout, std::promise<MPI_Comm> result)
-      : executor_(executor),
-        timeout_(timeout),
-        result_(std::move(result)),
-        comm_(std::make_shared<MPI_Comm>(MPI_COMM_NULL)) {}
-
-  std::string label() const override {
-    return fmt::format("rank={}/{} mpi_world", executor_.world_rank(), executor_.world_size());
-  }
-
-  bool advance() override {
-    if (!posted_) {
-      TANDEM_MPI_CHECK(MPI_Comm_idup(MPI_COMM_WORLD, comm_.get(), &request_));
-      posted_ = true;
-      deadline_ = Clock::now() + timeout_;
-    }
-    int flag = 0;
-    TANDEM_MPI_CHECK(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE));
-    if (flag != 0) {
-      TANDEM_MPI_CHECK(MPI_Comm_set_errhandler(*comm_, MPI_ERRORS_RETURN));
-      result_.set_value(*comm_);
-      delivered_ = true;
-      return true;
-    }
-    if (Clock::now() > deadline_) {
-      std::string report = fmt::format(
-          "[comm::watchdog] {} waited {} ms for every process of MPI_COMM_WORLD to call "
-          "mpi_world (MPI_Comm_idup); a collective cannot be cancelled, so the MPI backend "
-          "cannot create world groups in this process any more",
-          label(), timeout_.count());
-      executor_.adopt(Orphan{{request_}, comm_});
-      executor_.world_channel()->mark_unusable(report);
-      log_error("{}", report);
-      throw TimeoutError(report);
-    }
-    return false;
-  }
-
-  void fail(std::exception_ptr error) noexcept override {
-    if (!delivered_) result_.set_exception(error);
-    delivered_ = true;
-  }
-
- private:
-  Executor& executor_;  // the process's executor, which runs this task
-  std::chrono::milliseconds timeout_;
-  std::promise<MPI_Comm> result_;
-  std::shared_ptr<MPI_Comm> comm_;  // written by MPI when the idup completes
-  MPI_Request request_ = MPI_REQUEST_NULL;
-  bool posted_ = false;
-  bool delivered_ = false;
-  Clock::time_point deadline_;
-};
-
 }  // namespace
 
 std::unique_ptr<Task> collective_task(std::shared_ptr<MpiProcessGroup> group, Collective c) {
@@ -853,11 +796,6 @@ std::unique_ptr<Task> split_task(std::shared_ptr<MpiProcessGroup> group, LedgerE
 
 std::unique_ptr<Task> board_task(std::shared_ptr<MpiProcessGroup> group) {
   return std::make_unique<BoardTask>(std::move(group));
-}
-
-std::unique_ptr<Task> dup_world_task(Executor& executor, std::chrono::milliseconds timeout,
-                                     std::promise<MPI_Comm> result) {
-  return std::make_unique<DupWorldTask>(executor, timeout, std::move(result));
 }
 
 }  // namespace tandem::mpi
