@@ -103,6 +103,13 @@ bool TaskQueue::idle() const {
   return state_->finished == state_->pushed;
 }
 
+bool TaskQueue::wait_idle(std::chrono::milliseconds timeout) const {
+  State& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mu);
+  const uint64_t target = s.pushed;
+  return s.cv_done.wait_for(lock, timeout, [&] { return s.finished >= target; });
+}
+
 const std::string& TaskQueue::name() const {
   return state_->name;
 }

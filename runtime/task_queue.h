@@ -13,6 +13,7 @@
 // its own and exits, instead of joining itself.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -33,6 +34,9 @@ class TaskQueue {
   void synchronize();
   // True when nothing is queued or running.
   bool idle() const;
+  // Waits up to `timeout` for every task pushed so far to finish, without
+  // taking the captured error; false when the time ran out.
+  bool wait_idle(std::chrono::milliseconds timeout) const;
   const std::string& name() const;
   std::thread::id thread_id() const { return thread_.get_id(); }
 

@@ -4,6 +4,7 @@
 // the caller at the next synchronize(); later closures are skipped until then.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -26,6 +27,9 @@ class Worker {
   // Waits for every submitted closure and for the worker's stream; rethrows the
   // first error. Bounded by wait_timeout().
   void synchronize();
+  // Waits up to `timeout` for the submitted closures to end, keeping any
+  // error for synchronize(); false when one still runs.
+  bool wait_idle(std::chrono::milliseconds timeout) const { return queue_->wait_idle(timeout); }
   const std::string& name() const { return queue_->name(); }
   const Stream& stream() const { return stream_; }
 

@@ -1,8 +1,13 @@
 #include "runtime/worker_pair.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <string>
+
+#include "runtime/config.h"
+#include "runtime/logging.h"
 
 namespace tandem {
 
@@ -56,6 +61,7 @@ void WorkerPair::run(const std::function<void()>& fwd, const std::function<void(
       if (!sync_error) sync_error = std::current_exception();
     }
   }
+  if (sync_error) wait_out_stuck_sides(sync_error);
   std::exception_ptr first;
   {
     std::lock_guard<std::mutex> lock(state->mu);
@@ -63,6 +69,37 @@ void WorkerPair::run(const std::function<void()>& fwd, const std::function<void(
   }
   if (first) std::rethrow_exception(first);
   if (sync_error) std::rethrow_exception(sync_error);
+}
+
+// Note [Stuck worker]
+// ~~~~~~~~~~~~~~~~~~~
+// A side whose closure has not ended within synchronize()'s bound still runs
+// code that may use the caller's frame (the closures capture the step's
+// locals by reference), so unwinding now would free them under it. run()
+// first gives both sides another wait_timeout(): a closure inside a bounded
+// wait of its own (a collective whose peer is gone) ends with that wait's
+// error, which is then the one rethrown. A side still running after that is
+// stuck in unbounded user code; a thread cannot be stopped in C++ and must
+// not be unwound under, so the process reports which worker is stuck and
+// since when, and aborts (as PyTorch's NCCL watchdog tears a process down);
+// under mpirun that ends the job with the report on stderr.
+void WorkerPair::wait_out_stuck_sides(const std::exception_ptr& timeout) {
+  for (Worker* w : {&forward_, &backward_}) {
+    if (w->wait_idle(wait_timeout())) continue;
+    std::string why = "unknown error";
+    try {
+      std::rethrow_exception(timeout);
+    } catch (const std::exception& e) {
+      why = e.what();
+    } catch (...) {
+    }
+    log_error(
+        "[runtime::WorkerPair] the {} is still running a closure {} ms after its synchronize "
+        "timed out ({}); its closure may use the caller's stack frame, which unwinding would "
+        "free under it, so the process aborts (Note [Stuck worker])",
+        w->name(), wait_timeout().count(), why);
+    std::abort();
+  }
 }
 
 void run_pair(const std::function<void()>& fwd, const std::function<void()>& bwd,

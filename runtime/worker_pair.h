@@ -5,7 +5,8 @@
 // done. If either throws, `on_failure` (e.g. HookCoordinator::disable) is
 // called at once so the other side is released from any rendezvous, and the
 // first exception is rethrown on the caller after both have stopped. Waits are
-// bounded (Note [Bounded waits]).
+// bounded (Note [Bounded waits]); a side stuck in user code past them aborts
+// the process rather than be unwound under (Note [Stuck worker]).
 //
 // Stream ordering between the pair: activations saved by the forward of
 // micro-batch i are consumed by the backward of micro-batch i in a *later*
@@ -15,6 +16,7 @@
 // across the two streams (record_stream in the op dispatch).
 #pragma once
 
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -38,6 +40,9 @@ class WorkerPair {
   Worker& backward_worker() { return backward_; }
 
  private:
+  // After a timed-out synchronize (Note [Stuck worker]).
+  void wait_out_stuck_sides(const std::exception_ptr& timeout);
+
   Worker forward_;
   Worker backward_;
   Event forward_done_;

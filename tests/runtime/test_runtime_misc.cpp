@@ -3,12 +3,16 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <set>
 #include <sstream>
 #include <string>
@@ -20,11 +24,13 @@
 #include "runtime/logging.h"
 #include "runtime/trace.h"
 #include "runtime/worker.h"
+#include "runtime/worker_pair.h"
 #include "tests/support/test_util.h"
 
 using namespace tandem;
 using Catch::Matchers::Contains;
 using Catch::Matchers::StartsWith;
+using tandem::test::ScopedWaitTimeout;
 using tandem::test::sleep_ms;
 
 // ---- errors ----
@@ -224,6 +230,80 @@ TEST_CASE("Worker::synchronize rethrows the first error and the worker stays usa
   w.submit([] { throw std::logic_error("plain logic error"); });
   REQUIRE_THROWS_AS(w.synchronize(), std::logic_error);
   REQUIRE_NOTHROW(w.synchronize());
+}
+
+// Note [Stuck worker]: a side that outlives its synchronize() gets another
+// wait_timeout(); ending in it, its own error is the one rethrown.
+TEST_CASE("WorkerPair: a side that ends after its synchronize timed out", "[worker]") {
+  using namespace std::chrono;
+  ScopedWaitTimeout timeout(milliseconds(300));
+  WorkerPair pair;
+  auto start = steady_clock::now();
+  try {
+    pair.run(
+        [] {
+          sleep_ms(400);
+          throw Error("the forward side's own error");
+        },
+        [] {});
+    FAIL("run returned");
+  } catch (const Error& e) {
+    CHECK_THAT(e.what(), Catch::Matchers::Contains("the forward side's own error"));
+  }
+  auto waited = duration_cast<milliseconds>(steady_clock::now() - start).count();
+  CHECK(waited >= 390);
+  CHECK(waited < 550);  // not the whole grace period (600 ms)
+
+  // Ending late without an error: the timeout is what the caller sees.
+  CHECK_THROWS_AS(pair.run([] {}, [] { sleep_ms(400); }), TimeoutError);
+  // Both sides usable again.
+  int ran = 0;
+  pair.run([&] { ++ran; }, [&] { ++ran; });
+  CHECK(ran == 2);
+}
+
+TEST_CASE("WorkerPair: a side stuck past the grace period aborts the process with a report",
+          "[worker]") {
+#if defined(__SANITIZE_THREAD__)
+  // ThreadSanitizer kills a child that starts threads after a multi-threaded
+  // fork (die_after_fork).
+  WARN("SKIP: fork under ThreadSanitizer");
+  std::cout << "SKIP: fork under ThreadSanitizer" << std::endl;
+  return;
+#endif
+  int err[2];
+  REQUIRE(::pipe(err) == 0);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::dup2(err[1], STDERR_FILENO);
+    ::close(err[0]);
+    set_wait_timeout(std::chrono::milliseconds(100));
+    int local = 0;  // what the stuck closure uses: freed if run() unwound
+    WorkerPair pair;
+    try {
+      pair.run(
+          [&] {
+            sleep_ms(5000);
+            ++local;
+          },
+          [] {});
+    } catch (...) {
+    }
+    ::_exit(0);  // not reached: run() aborts
+  }
+  ::close(err[1]);
+  std::string report;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(err[0], buf, sizeof(buf))) > 0;)
+    report.append(buf, static_cast<size_t>(n));
+  ::close(err[0]);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  REQUIRE(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGABRT);
+  CHECK_THAT(report, Catch::Matchers::Contains("[runtime::WorkerPair] the forward-worker is still "
+                                               "running a closure"));
+  CHECK_THAT(report, Catch::Matchers::Contains("Note [Stuck worker]"));
 }
 
 TEST_CASE("a Worker inherits the creating thread's log context", "[worker][log]") {

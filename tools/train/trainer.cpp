@@ -582,7 +582,8 @@ void validate(const TrainOptions& o, int world_size) {
                fault.rank, world_size);
   TANDEM_CHECK(fault.kind != "hang" || o.backend != "threads",
                "[train] --inject-fault ...:hang needs one process per rank (mpirun): rank threads "
-               "share one process, which cannot leave a thread behind");
+               "share one process, which a rank stuck past its wait deadline aborts (Note [Stuck "
+               "worker])");
   TANDEM_CHECK(o.dp >= 1 && o.ep >= 1 && o.cp >= 1 && o.tp >= 1,
                "[train] expected --dp, --ep, --cp and --tp >= 1, got {}, {}, {}, {}", o.dp, o.ep,
                o.cp, o.tp);

@@ -99,7 +99,8 @@ struct TrainOptions {
 //   hang       stops for 2 × the wait timeout at the forward, then goes on:
 //              a rank that never arrives, as far as its peers can tell
 //              (mpi/nccl only: its process is ended by mpirun once the
-//              peers have failed; rank threads cannot be abandoned)
+//              peers have failed; rank threads share one process, which a
+//              rank stuck past its deadlines aborts: Note [Stuck worker])
 // Every kind must end the job with a clear error on every rank within the
 // wait deadline (TANDEM_WAIT_TIMEOUT_S), and leave earlier checkpoints intact.
 struct Fault {
