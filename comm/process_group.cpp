@@ -51,8 +51,12 @@ std::chrono::milliseconds ProcessGroup::timeout() const {
   return options_.timeout.count() > 0 ? options_.timeout : wait_timeout();
 }
 
-std::string ProcessGroup::where() const {
-  return fmt::format("rank={}/{} group={} backend={}", rank_, size_, options_.name, backend_name());
+const std::string& ProcessGroup::where() const {
+  std::call_once(where_once_, [this] {
+    where_ =
+        fmt::format("rank={}/{} group={} backend={}", rank_, size_, options_.name, backend_name());
+  });
+  return where_;
 }
 
 void ProcessGroup::unsupported(const char* what) const {

@@ -81,8 +81,9 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   std::chrono::milliseconds timeout() const;
   virtual std::string backend_name() const = 0;
   Ledger& ledger() { return ledger_; }
-  // "rank=3/8 group=world": the prefix of comm error messages.
-  std::string where() const;
+  // "rank=3/8 group=world backend=threads": the prefix of comm error
+  // messages (formatted once, on first use: backend_name() is virtual).
+  const std::string& where() const;
 
   WorkPtr all_reduce(const Tensor& t, const AllReduceOptions& options = {});
   WorkPtr broadcast(const Tensor& t, const BroadcastOptions& options = {});
@@ -129,6 +130,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   ProcessGroupOptions options_;
   Ledger ledger_;
   uint64_t splits_ = 0;
+  mutable std::once_flag where_once_;
+  mutable std::string where_;
 };
 
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
