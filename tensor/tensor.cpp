@@ -44,6 +44,7 @@ int64_t Tensor::stride(int64_t d) const {
 }
 
 bool Tensor::is_contiguous() const {
+  if (numel() == 0) return true;  // no element to be out of place (as in PyTorch)
   int64_t expected = 1;
   for (int i = dim() - 1; i >= 0; --i) {
     if (shape_[i] == 1) continue;

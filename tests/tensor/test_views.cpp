@@ -152,6 +152,13 @@ TEST_CASE("permute and transpose", "[views]") {
     return Index{i[0], i[2], i[1]};
   });
 
+  // An empty tensor is contiguous whatever its strides, like in PyTorch, so
+  // contiguous() of one does not copy.
+  Tensor empty_t = ops::transpose(ops::zeros({0, 3, 2}), 0, 2);
+  REQUIRE(empty_t.shape() == Shape{2, 3, 0});
+  REQUIRE(empty_t.is_contiguous());
+  REQUIRE(ops::contiguous(empty_t).storage() == empty_t.storage());
+
   REQUIRE_THROWS_AS(ops::permute(base, {0, 0, 1}), Error);
   REQUIRE_THROWS_AS(ops::permute(base, {0, 1}), Error);
   REQUIRE_THROWS_AS(ops::permute(base, {0, 1, 3}), Error);
