@@ -80,7 +80,12 @@ LedgerEntry ProcessGroup::entry_for(const char* op, const Tensor& t, int peer,
 
 WorkPtr ProcessGroup::issue(Collective c, std::vector<Tensor> keep) {
   const char* name = collective_name(c.kind);
-  c.work = make_work(fmt::format("{} ({})", name, where()));
+  // Built at every launch: plain appends, not a format string.
+  std::string description = name;
+  description += " (";
+  description += where();
+  description += ')';
+  c.work = make_work(std::move(description));
   std::vector<Tensor> outputs;
   if (c.output.defined()) outputs.push_back(c.output);
   for (const Tensor& t : c.p2p_outputs)
@@ -92,7 +97,7 @@ WorkPtr ProcessGroup::issue(Collective c, std::vector<Tensor> keep) {
   c.ready.record(current_stream(device));
   WorkPtr work = c.work;
   std::lock_guard<std::mutex> lock(comm_issue_mutex());
-  c.entry = ledger_.append(c.entry);
+  c.entry = ledger_.append(std::move(c.entry));
   if (trace_enabled()) {
     trace_instant("comm", fmt::format("issue {} #{}", name, c.entry.seq),
                   fmt::format("\"group\":\"{}\",\"seq\":{}", options_.name, c.entry.seq));
