@@ -293,7 +293,7 @@ class ThreadsProcessGroup final : public ProcessGroup {
     p.start_us = trace_enabled() ? trace_now_us() : 0;
     // Every job of this post is counted before a peer can run one, and
     // published after the count (Note [Threads jobs]).
-    R.left.fetch_add(jobs_of(p, g.size));
+    R.left.fetch_add(jobs_of(p, g.size, R.parts));
     const uint64_t s = R.state.fetch_add(1);
     if ((s & kSealed) != 0) {  // sealed since the check above: the round will not run
       fail_sealed(t, *c.work);

@@ -38,8 +38,14 @@ void SharedGroup::open_jobs(Round& R, uint64_t use, uint64_t k, int me) {
       all = false;
       continue;
     }
-    if (mine) open(R.piece(me, r), use);
-    if (r != me && has_pieces(R.posts[r])) open(R.piece(r, me), use);
+    if (mine) {
+      for (int p = 0, parts = parts_of(R.posts[me], r, R.parts); p < parts; ++p)
+        open(R.piece(me, r, p), use);
+    }
+    if (r != me && has_pieces(R.posts[r])) {
+      for (int p = 0, parts = parts_of(R.posts[r], me, R.parts); p < parts; ++p)
+        open(R.piece(r, me, p), use);
+    }
   }
   if (all) {
     int split = 0;
@@ -58,35 +64,37 @@ bool SharedGroup::run_jobs(Round& R, uint64_t use, int first) {
   bool ran = false;
   // 1 when the job ran and retired the round, 0 when it ran, -1 when it
   // was not open.
-  auto run = [&](int r, int source) {  // source -1: the second phase
-    std::atomic<uint64_t>& claim = source >= 0 ? R.piece(r, source) : R.second(r);
+  auto run = [&](int r, int source, int part) {  // source -1: the second phase
+    std::atomic<uint64_t>& claim = source >= 0 ? R.piece(r, source, part) : R.second(r);
     uint64_t open = open_in(use);
     if (claim.load() != open || !claim.compare_exchange_strong(open, claimed_in(use))) return -1;
     ran = true;
-    return finish_job(R, use, claim, r, source) ? 1 : 0;
+    return finish_job(R, use, claim, r, source, part) ? 1 : 0;
   };
-  if (!has_pieces(R.posts[first]) && (run(first, first) == 1 || run(first, -1) == 1))
+  if (!has_pieces(R.posts[first]) && (run(first, first, 0) == 1 || run(first, -1, 0) == 1))
     return true;  // retired: R is no longer ours
   for (int source = 0; source < size; ++source) {
-    for (int i = 0; i < size; ++i) {
-      if (run((first + i) % size, source) == 1) return true;
+    for (int part = 0; part < R.parts; ++part) {
+      for (int i = 0; i < size; ++i) {
+        if (run((first + i) % size, source, part) == 1) return true;
+      }
     }
   }
   for (int i = 1; i < size; ++i) {
-    if (run((first + i) % size, -1) == 1) return true;
+    if (run((first + i) % size, -1, 0) == 1) return true;
   }
   return ran;
 }
 
 bool SharedGroup::finish_job(Round& R, uint64_t use, std::atomic<uint64_t>& claim, int r,
-                             int source) {
+                             int source, int part) {
   bool first_phase = false;  // of a split all_reduce
   if ((R.state.load() & kSealed) == 0) {
     try {
       if (source < 0) {
         copy_peer_chunks(R, r);
       } else if (has_pieces(R.posts[r])) {
-        copy_piece(R, r, source);
+        copy_piece(R, r, source, part);
       } else {
         first_phase = splits(R.posts[r], size);
         run_whole(R, r);
@@ -110,7 +118,7 @@ bool SharedGroup::finish_job(Round& R, uint64_t use, std::atomic<uint64_t>& clai
 }
 
 void SharedGroup::wait_for_jobs(Round& R, uint64_t use) {
-  for (size_t j = 0; j < static_cast<size_t>(size) * (size + 1); ++j) {
+  for (size_t j = 0; j < R.num_claims(); ++j) {
     while (R.claims[j].load() == claimed_in(use))
       std::this_thread::yield();
   }
@@ -135,7 +143,7 @@ void SharedGroup::retire(Round& R, uint64_t use) {
     p.input = Tensor();
     p.output = Tensor();
   }
-  for (size_t j = 0; j < static_cast<size_t>(size) * (size + 1); ++j)
+  for (size_t j = 0; j < R.num_claims(); ++j)
     R.claims[j].store(closed_in(use + 1));
   R.left.store(0);
   R.split_ranks.store(-1);

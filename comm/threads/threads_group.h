@@ -197,9 +197,11 @@ struct SharedGroup {
   // [Threads job order]).
   bool run_jobs(Round& R, uint64_t use, int first);
 
-  // Runs the job of rank r from `source` (-1: its second phase), claimed by
-  // this thread; true when it was the last one and retired the round.
-  bool finish_job(Round& R, uint64_t use, std::atomic<uint64_t>& claim, int r, int source);
+  // Runs the job of rank r from `source` (-1: its second phase), part
+  // `part`, claimed by this thread; true when it was the last one and
+  // retired the round.
+  bool finish_job(Round& R, uint64_t use, std::atomic<uint64_t>& claim, int r, int source,
+                  int part);
 
   // Waits until no job of R (use `use`) is running: before a Work of a
   // sealed round fails (Note [Threads jobs]). Jobs never block.

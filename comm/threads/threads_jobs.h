@@ -4,6 +4,7 @@
 // reductions] (threads_jobs.cpp) what its jobs do.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <exception>
@@ -69,10 +70,15 @@ struct Post {
 struct Round {
   explicit Round(int n)
       : n(n),
-        claims(std::make_unique<std::atomic<uint64_t>[]>(static_cast<size_t>(n) * (n + 1))),
+        parts(max_parts(n)),
+        claims(std::make_unique<std::atomic<uint64_t>[]>(num_claims())),
         posts(static_cast<size_t>(n)),
         errors(static_cast<size_t>(n)) {}
+  // Parts a piece may be split into (Note [Threads job order]): 8, fewer
+  // when n * n pieces are many already.
+  static int max_parts(int n) { return std::max(1, std::min(8, 256 / (n * n))); }
   const int n;
+  const int parts;
   std::atomic<uint64_t> state{0};
   // Jobs posted and not yet run: the round retires when it reaches 0 (Note
   // [Threads jobs]).
@@ -82,16 +88,19 @@ struct Round {
   // those whose first-phase job ended.
   std::atomic<int> split_ranks{-1};
   std::atomic<int> split_done{0};
-  // Claim flags (Note [Threads jobs]): job r * n + s is rank r's part from
-  // rank s, job r * n + r its whole part when it has no pieces, job n * n + r
-  // its second phase.
+  // Claim flags (Note [Threads jobs]): job (r * n + s) * parts + p is part p
+  // of rank r's piece from rank s, job (r * n + r) * parts its whole part
+  // when it has no pieces, job n * n * parts + r its second phase.
   std::unique_ptr<std::atomic<uint64_t>[]> claims;
   std::vector<Post> posts;
   std::mutex errors_mu;                    // the first error of a rank's jobs wins
   std::vector<std::exception_ptr> errors;  // by rank
 
-  std::atomic<uint64_t>& piece(int r, int s) { return claims[static_cast<size_t>(r) * n + s]; }
-  std::atomic<uint64_t>& second(int r) { return claims[static_cast<size_t>(n) * n + r]; }
+  size_t num_claims() const { return static_cast<size_t>(n) * n * parts + n; }
+  std::atomic<uint64_t>& piece(int r, int s, int p = 0) {
+    return claims[(static_cast<size_t>(r) * n + s) * parts + p];
+  }
+  std::atomic<uint64_t>& second(int r) { return claims[static_cast<size_t>(n) * n * parts + r]; }
   void fail(int r, std::exception_ptr error) {
     std::lock_guard<std::mutex> lock(errors_mu);
     if (!errors[r]) errors[r] = std::move(error);
@@ -102,13 +111,16 @@ struct Round {
 bool has_pieces(const Post& p);
 // Whether rank p's all_reduce is split into two phases (Note [Threads reductions]).
 bool splits(const Post& p, int n);
+// Parts of the piece `me` receives from `source` (1 for a piece under 4 MiB),
+// from `me`'s own post, at most `max_parts` (Note [Threads job order]).
+int parts_of(const Post& me, int source, int max_parts);
 // Jobs a post adds to its round.
-int64_t jobs_of(const Post& p, int n);
+int64_t jobs_of(const Post& p, int n, int max_parts);
 
 // The jobs. Each reads only the round's posts, never blocks, and throws on
 // what checked mode (or, with it off, the job's own checks) finds.
-// Piece (index, source) of an all_gather or all_to_all.
-void copy_piece(const Round& R, int index, int source);
+// Part `part` of piece (index, source) of an all_gather or all_to_all.
+void copy_piece(const Round& R, int index, int source, int part);
 // Rank `index`'s whole part once every rank has posted: a reduction,
 // broadcast or barrier, or the first phase of a split all_reduce.
 void run_whole(const Round& R, int index);

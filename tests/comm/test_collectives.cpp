@@ -707,6 +707,61 @@ TEST_CASE("reductions are bit-identical on every rank", "[collectives]") {
   }
 }
 
+// Pieces of 4 MiB and more are copied in parts (Note [Threads job order]):
+// every element lands once, in its place, also where part boundaries fall
+// mid-row and next to empty pieces. Values are unique per rank and element.
+TEST_CASE("all_gather and all_to_all of pieces copied in parts", "[collectives]") {
+  const int world = 3;
+  auto v = [](int rank, int64_t i) { return static_cast<double>(int64_t{rank} * 1000000000 + i); };
+  auto tensor_for = [&](int rank, int64_t rows, int64_t width) {
+    std::vector<double> values(static_cast<size_t>(rows * width));
+    for (int64_t i = 0; i < rows * width; ++i)
+      values[static_cast<size_t>(i)] = v(rank, i);
+    return tensor_of(values, Shape{rows, width}, DType::I64);
+  };
+  Failures failures;
+  run_ranks(world, [&](ProcessGroupPtr pg) {
+    const int rank = pg->rank();
+    // all_gather: 1,100,001 i64 per rank (8.8 MB pieces, 4 parts).
+    const int64_t n = 1100001;
+    WorkPtr g = pg->all_gather(tensor_for(rank, n, 1));
+    g->synchronize();
+    std::vector<double> gathered;
+    for (int r = 0; r < world; ++r) {
+      for (int64_t i = 0; i < n; ++i)
+        gathered.push_back(v(r, i));
+    }
+    expect_tensor(failures, rank, "all_gather in parts", g->result(), {world * n, 1}, gathered);
+
+    // all_to_all: rows of 3 i64; rank r sends 200,003 rows (4.8 MB, 2 parts),
+    // none or 5 to its peers.
+    auto rows = [](int from, int to) -> int64_t {
+      const int k = (from + to) % 3;
+      return k == 0 ? 200003 : k == 1 ? 0 : 5;
+    };
+    AllToAllOptions o;
+    int64_t in_rows = 0, out_rows = 0;
+    for (int p = 0; p < world; ++p) {
+      o.input_split_sizes.push_back(rows(rank, p));
+      o.output_split_sizes.push_back(rows(p, rank));
+      in_rows += rows(rank, p);
+      out_rows += rows(p, rank);
+    }
+    WorkPtr a = pg->all_to_all_single(tensor_for(rank, in_rows, 3), o);
+    a->synchronize();
+    std::vector<double> expected;
+    for (int p = 0; p < world; ++p) {
+      int64_t offset = 0;  // where rank p's rows for us start in its input
+      for (int q = 0; q < rank; ++q)
+        offset += rows(p, q);
+      for (int64_t i = offset * 3; i < (offset + rows(p, rank)) * 3; ++i)
+        expected.push_back(v(p, i));
+    }
+    expect_tensor(failures, rank, "all_to_all in parts", a->result(), {out_rows, 3}, expected);
+  });
+  REQUIRE_NO_FAILURES(failures);
+}
+
 TEST_CASE("all_reduce of large buffers, split across ranks", "[collectives]") {
   for (int world : {2, 3, 5, 8}) {
     for (DType dtype : kDtypes) {
