@@ -2,7 +2,19 @@
 
 #include <cstring>
 
-namespace tandem::detail {
+namespace tandem {
+
+std::string what_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+namespace detail {
 
 static const char* basename_of(const char* file) {
   const char* slash = std::strrchr(file, '/');
@@ -19,4 +31,5 @@ void throw_internal(const char* file, int line, const char* cond, std::string ms
                           cond, basename_of(file), line, msg.empty() ? "" : ": ", msg));
 }
 
-}  // namespace tandem::detail
+}  // namespace detail
+}  // namespace tandem

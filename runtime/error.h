@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include <exception>
 #include <stdexcept>
 #include <string>
 
@@ -22,6 +23,10 @@ class TimeoutError : public Error {
  public:
   explicit TimeoutError(const std::string& what) : Error(what) {}
 };
+
+// The message of a captured exception ("unknown error" when it is not a
+// std::exception), for reports that name what failed.
+std::string what_of(const std::exception_ptr& error);
 
 namespace detail {
 [[noreturn]] void throw_error(const char* file, int line, std::string msg);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "runtime/config.h"
+#include "runtime/error.h"
 #include "runtime/logging.h"
 
 namespace tandem {
@@ -86,18 +87,11 @@ void WorkerPair::run(const std::function<void()>& fwd, const std::function<void(
 void WorkerPair::wait_out_stuck_sides(const std::exception_ptr& timeout) {
   for (Worker* w : {&forward_, &backward_}) {
     if (w->wait_idle(wait_timeout())) continue;
-    std::string why = "unknown error";
-    try {
-      std::rethrow_exception(timeout);
-    } catch (const std::exception& e) {
-      why = e.what();
-    } catch (...) {
-    }
     log_error(
         "[runtime::WorkerPair] the {} is still running a closure {} ms after its synchronize "
         "timed out ({}); its closure may use the caller's stack frame, which unwinding would "
         "free under it, so the process aborts (Note [Stuck worker])",
-        w->name(), wait_timeout().count(), why);
+        w->name(), wait_timeout().count(), what_of(timeout));
     std::abort();
   }
 }

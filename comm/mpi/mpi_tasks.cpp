@@ -66,16 +66,6 @@ struct Scratch {
   std::vector<int32_t> all_mapped;
 };
 
-std::string what_of(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-
 class StagedTask : public Task {
  public:
   StagedTask(std::shared_ptr<MpiProcessGroup> group, LedgerEntry entry)

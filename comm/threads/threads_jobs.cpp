@@ -13,16 +13,6 @@
 
 namespace tandem::threads_detail {
 
-std::string what_of(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-
 namespace {
 
 // Note [Threads reductions]

@@ -127,7 +127,4 @@ void run_whole(const Round& R, int index);
 // Second phase of a split all_reduce.
 void copy_peer_chunks(Round& R, int index);
 
-// The message of an exception, for reports.
-std::string what_of(const std::exception_ptr& error);
-
 }  // namespace tandem::threads_detail
