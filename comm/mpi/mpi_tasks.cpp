@@ -675,8 +675,8 @@ class BoardTask final : public StagedTask {
   void begin() override {
     Scratch& s = *scratch_;
     const int n = group_->size();
-    std::random_device random;
-    const uint64_t nonce = uint64_t{random()} << 32 | random();
+    std::random_device entropy;
+    const uint64_t nonce = uint64_t{entropy()} << 32 | entropy();
     s.place = {node_id(), static_cast<uint64_t>(::getpid()), nonce};
     s.places.assign(3 * static_cast<size_t>(n), 0);
     TANDEM_MPI_CHECK(MPI_Iallgather(s.place.data(), 3, MPI_UINT64_T, s.places.data(), 3,
