@@ -63,11 +63,14 @@ void SharedGroup::open_jobs(Round& R, uint64_t use, uint64_t k, int me) {
 bool SharedGroup::run_jobs(Round& R, uint64_t use, int first) {
   bool ran = false;
   // 1 when the job ran and retired the round, 0 when it ran, -1 when it
-  // was not open.
+  // was open no more (claimed or done), -2 when closed (not a job, or not
+  // runnable yet).
   auto run = [&](int r, int source, int part) {  // source -1: the second phase
     std::atomic<uint64_t>& claim = source >= 0 ? R.piece(r, source, part) : R.second(r);
     uint64_t open = open_in(use);
-    if (claim.load() != open || !claim.compare_exchange_strong(open, claimed_in(use))) return -1;
+    const uint64_t state = claim.load();
+    if (state == closed_in(use)) return -2;
+    if (state != open || !claim.compare_exchange_strong(open, claimed_in(use))) return -1;
     ran = true;
     return finish_job(R, use, claim, r, source, part) ? 1 : 0;
   };
@@ -75,9 +78,16 @@ bool SharedGroup::run_jobs(Round& R, uint64_t use, int first) {
     return true;  // retired: R is no longer ours
   for (int source = 0; source < size; ++source) {
     for (int part = 0; part < R.parts; ++part) {
+      // The parts of a piece open in order: when part `part` is closed for
+      // every rank, so are the later ones (one opened since is found on the
+      // next pass: its opener bumps `opened`, which wakes the drivers).
+      bool any = false;
       for (int i = 0; i < size; ++i) {
-        if (run((first + i) % size, source, part) == 1) return true;
+        const int result = run((first + i) % size, source, part);
+        if (result == 1) return true;
+        any = any || result != -2;
       }
+      if (!any) break;
     }
   }
   for (int i = 1; i < size; ++i) {
