@@ -38,6 +38,10 @@ std::mutex& comm_issue_mutex() {
   return mu;
 }
 
+std::mutex& ProcessGroup::issue_mutex() const {
+  return comm_issue_mutex();
+}
+
 ProcessGroup::ProcessGroup(int rank, int size, std::vector<int> world_ranks,
                            ProcessGroupOptions options)
     : rank_(rank), size_(size), world_ranks_(std::move(world_ranks)), options_(std::move(options)) {
@@ -96,7 +100,7 @@ WorkPtr ProcessGroup::issue(Collective c, std::vector<Tensor> keep) {
   Device device = c.input.defined() ? c.input.device() : Device::cpu();
   c.ready.record(current_stream(device));
   WorkPtr work = c.work;
-  std::lock_guard<std::mutex> lock(comm_issue_mutex());
+  std::lock_guard<std::mutex> lock(issue_mutex());
   c.entry = ledger_.append(std::move(c.entry));
   if (trace_enabled()) {
     trace_instant("comm", fmt::format("issue {} #{}", name, c.entry.seq),

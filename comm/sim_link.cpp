@@ -174,6 +174,10 @@ struct LaunchAccess : ProcessGroup {
     void (ProcessGroup::*launch_fn)(Collective&) = &LaunchAccess::launch;
     (group.*launch_fn)(c);
   }
+  static std::mutex& issue_mutex_of(const ProcessGroup& group) {
+    std::mutex& (ProcessGroup::*fn)() const = &LaunchAccess::issue_mutex;
+    return (group.*fn)();
+  }
 };
 
 class SimLinkProcessGroup final : public ProcessGroup {
@@ -187,6 +191,10 @@ class SimLinkProcessGroup final : public ProcessGroup {
   std::string backend_name() const override { return "sim(" + inner_->backend_name() + ")"; }
 
  protected:
+  // The inner group's: launches through this wrapper and straight on the
+  // inner group are one sequence (Note [Issue lock]).
+  std::mutex& issue_mutex() const override { return LaunchAccess::issue_mutex_of(*inner_); }
+
   // Runs under the issue lock (Note [Issue lock]), which is why the inner
   // group's front end (inner_->all_reduce(...)) cannot be called here: it
   // takes that lock again. The collective is already validated, contiguous

@@ -227,6 +227,9 @@ class ThreadsProcessGroup final : public ProcessGroup {
     defer(std::move(c), k);
   }
 
+  // One per rank thread, not per process (Note [Issue lock]).
+  std::mutex& issue_mutex() const override { return world_->issue_mutex(world_ranks()[rank()]); }
+
   WorkPtr make_work(std::string description) override {
     return std::make_shared<ThreadsWork>(
         std::move(description), std::static_pointer_cast<ThreadsProcessGroup>(shared_from_this()));

@@ -215,7 +215,10 @@ struct SharedGroup {
 
 class ThreadsWorld {
  public:
-  explicit ThreadsWorld(int size) : size_(size) {}
+  explicit ThreadsWorld(int size) : size_(size), issue_mutexes_(static_cast<size_t>(size)) {}
+  // Rank `world_rank`'s issue lock: the rank threads stand for processes
+  // (Note [Issue lock]).
+  std::mutex& issue_mutex(int world_rank) { return issue_mutexes_[world_rank]; }
   std::shared_ptr<SharedGroup> group(const std::string& key, const std::string& name,
                                      const std::vector<int>& members) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -260,6 +263,7 @@ class ThreadsWorld {
   bool aborted_ = false;
   std::string reason_;
   std::set<int> exited_;
+  std::vector<std::mutex> issue_mutexes_;
 
   static std::string exit_reason(int rank) {
     return fmt::format(
