@@ -295,10 +295,13 @@ class ThreadsProcessGroup final : public ProcessGroup {
     p.work = c.work;
     p.start_us = trace_enabled() ? trace_now_us() : 0;
     // Every job of this post is counted before a peer can run one, and
-    // published after the count (Note [Threads jobs]).
-    R.left.fetch_add(jobs_of(p, g.size, R.parts));
+    // published after the count, plus one for this poster's open_jobs, which
+    // reads the posts: the round cannot retire (and clear them) before it
+    // ends (Note [Threads jobs]).
+    R.left.fetch_add(jobs_of(p, g.size, R.parts) + 1);
     const uint64_t s = R.state.fetch_add(1);
     if ((s & kSealed) != 0) {  // sealed since the check above: the round will not run
+      R.left.fetch_sub(1);     // no open_jobs; this post's own jobs keep `left` above 0
       fail_sealed(t, *c.work);
       return std::nullopt;
     }

@@ -58,6 +58,8 @@ void SharedGroup::open_jobs(Round& R, uint64_t use, uint64_t k, int me) {
   }
   R.opened.fetch_add(1);
   notify();
+  // This poster's count in `left` (post()): from here on the round may retire.
+  if (R.left.fetch_sub(1) == 1) retire(R, use);
 }
 
 bool SharedGroup::run_jobs(Round& R, uint64_t use, int first) {

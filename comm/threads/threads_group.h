@@ -189,6 +189,7 @@ struct SharedGroup {
 
   // After rank `me` published its post of round k (use `use` of R): opens
   // the jobs that post makes runnable.
+  // Ends by releasing the poster's count in `left`, which may retire R.
   void open_jobs(Round& R, uint64_t use, uint64_t k, int me);
 
   // Claims and runs the open jobs of R in use `use`; true when it ran any.

@@ -138,7 +138,10 @@ std::pair<int64_t, int64_t> chunk_of(int r, int n, int64_t count) {
 // [Threads job order]), run them and count them down in `left`, which every poster
 // raises by its number of jobs before it publishes: a rank's jobs all need
 // every rank's post, so `left` reaches 0 exactly once, when every job of
-// the round has run, and whoever brings it there retires the round.
+// the round has run, and whoever brings it there retires the round. A
+// poster also counts itself until its open_jobs ends, since that reads the
+// posts that retirement clears (two ranks may post, and open, at once: each
+// rank has its own issue lock, Note [Issue lock]).
 //
 // Note [Threads job order]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
