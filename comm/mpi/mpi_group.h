@@ -35,11 +35,13 @@ class MpiProcessGroup final : public ProcessGroup {
   // rest runs in passes, under the executor's progress lock.
   void set_up_board();
   Board* board() const { return board_.get(); }
-  void set_board(std::unique_ptr<Board> board) { board_ = std::move(board); }
+  void set_board(std::unique_ptr<Board> board) {
+    board_ = std::move(board);
+    has_board_.store(board_ != nullptr);
+  }
   uint64_t next_handshake() { return handshakes_++; }
-  // Whether the set-up has ended and the board is used (tests).
+  // Whether the set-up has ended with a board in use (tests; any thread).
   bool uses_board() const { return has_board_.load(); }
-  void board_decided(bool used) { has_board_.store(used); }
   [[noreturn]] void unsupported_kind(CollectiveKind kind) const {
     unsupported(collective_name(kind));
   }

@@ -720,10 +720,7 @@ class BoardTask final : public StagedTask {
     if (group_->rank() == 0) Board::unlink(name_);  // every rank has opened it, or gave up
     const bool all =
         std::all_of(s.all_mapped.begin(), s.all_mapped.end(), [](int32_t m) { return m == 1; });
-    if (all) {
-      group_->set_board(std::move(board_));
-      group_->board_decided(true);
-    }
+    if (all) group_->set_board(std::move(board_));
     done();
   }
 
