@@ -98,7 +98,10 @@ WorkPtr ProcessGroup::issue(Collective c, std::vector<Tensor> keep) {
   keep.insert(keep.end(), outputs.begin(), outputs.end());
   c.work->keep_alive(std::move(keep));
   Device device = c.input.defined() ? c.input.device() : Device::cpu();
-  c.ready.record(current_stream(device));
+  // An inline CPU stream has run everything before this call: an event
+  // recorded there would be complete at once, and one never recorded is.
+  const Stream& stream = current_stream(device);
+  if (!stream.is_inline()) c.ready.record(stream);
   WorkPtr work = c.work;
   std::lock_guard<std::mutex> lock(issue_mutex());
   c.entry = ledger_.append(std::move(c.entry));

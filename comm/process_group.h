@@ -69,7 +69,9 @@ struct Collective {
   std::vector<int64_t> input_splits, output_splits;  // all-to-all rows
   std::vector<P2POp> p2p;                            // batch: contiguous tensors
   std::vector<Tensor> p2p_outputs;                   // one per Recv op, in order
-  Event ready;  // recorded on the caller's stream after the input was produced
+  // Recorded on the caller's stream after the input was produced (left
+  // unrecorded, so complete, on an inline CPU stream).
+  Event ready;
   WorkPtr work;
 };
 

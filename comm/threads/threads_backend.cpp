@@ -18,6 +18,7 @@
 #include "runtime/logging.h"
 #include "runtime/task_queue.h"
 #include "runtime/trace.h"
+#include "tensor/cpu/copy_bytes.h"
 #include "tensor/dtype.h"
 
 namespace tandem {
@@ -491,7 +492,7 @@ class ThreadsProcessGroup final : public ProcessGroup {
                     where(), op.peer, dtype_name(m.data.dtype()), m.data.shape(), rank(),
                     dtype_name(out.dtype()), out.shape(), op.tag_id);
       }
-      std::memcpy(out.raw_data(), m.data.raw_data(), out.nbytes());
+      cpu::copy_bytes(out.raw_data(), m.data.raw_data(), out.nbytes());
       m.consumed->store(true);
       std::lock_guard<std::mutex> relock(g.mu);
       g.cv.notify_all();

@@ -63,42 +63,45 @@ void SharedGroup::open_jobs(Round& R, uint64_t use, uint64_t k, int me) {
 }
 
 bool SharedGroup::run_jobs(Round& R, uint64_t use, int first) {
-  bool ran = false;
-  // 1 when the job ran and retired the round, 0 when it ran, -1 when it
-  // was open no more (claimed or done), -2 when closed (not a job, or not
-  // runnable yet).
+  // Jobs this pass ran, counted down in `left` together at its end (Note
+  // [Threads jobs]).
+  int64_t ran = 0;
+  // False when the job was closed (not a job, or not runnable yet).
   auto run = [&](int r, int source, int part) {  // source -1: the second phase
     std::atomic<uint64_t>& claim = source >= 0 ? R.piece(r, source, part) : R.second(r);
     uint64_t open = open_in(use);
     const uint64_t state = claim.load();
-    if (state == closed_in(use)) return -2;
-    if (state != open || !claim.compare_exchange_strong(open, claimed_in(use))) return -1;
-    ran = true;
-    return finish_job(R, use, claim, r, source, part) ? 1 : 0;
+    if (closed_in(state, use)) return false;
+    if (state == open && claim.compare_exchange_strong(open, claimed_in(use))) {
+      finish_job(R, use, claim, r, source, part);
+      ++ran;
+    }
+    return true;
   };
-  if (!has_pieces(R.posts[first]) && (run(first, first, 0) == 1 || run(first, -1, 0) == 1))
-    return true;  // retired: R is no longer ours
+  if (!has_pieces(R.posts[first])) {
+    run(first, first, 0);
+    run(first, -1, 0);
+  }
   for (int source = 0; source < size; ++source) {
     for (int part = 0; part < R.parts; ++part) {
       // The parts of a piece open in order: when part `part` is closed for
       // every rank, so are the later ones (one opened since is found on the
       // next pass: its opener bumps `opened`, which wakes the drivers).
       bool any = false;
-      for (int i = 0; i < size; ++i) {
-        const int result = run((first + i) % size, source, part);
-        if (result == 1) return true;
-        any = any || result != -2;
-      }
+      for (int i = 0; i < size; ++i)
+        any = run((first + i) % size, source, part) || any;
       if (!any) break;
     }
   }
-  for (int i = 1; i < size; ++i) {
-    if (run((first + i) % size, -1, 0) == 1) return true;
-  }
-  return ran;
+  for (int i = 1; i < size; ++i)
+    run((first + i) % size, -1, 0);
+  if (ran == 0) return false;
+  // Whoever ends the round's last pass retires it: then R is no longer ours.
+  if (R.left.fetch_sub(ran) == ran) retire(R, use);
+  return true;
 }
 
-bool SharedGroup::finish_job(Round& R, uint64_t use, std::atomic<uint64_t>& claim, int r,
+void SharedGroup::finish_job(Round& R, uint64_t use, std::atomic<uint64_t>& claim, int r,
                              int source, int part) {
   bool first_phase = false;  // of a split all_reduce
   if ((R.state.load() & kSealed) == 0) {
@@ -116,7 +119,7 @@ bool SharedGroup::finish_job(Round& R, uint64_t use, std::atomic<uint64_t>& clai
     }
   }
   claim.store(done_in(use));
-  // Still counted in `left`, so the posts stay.
+  // Still counted in `left` (run_jobs), so the posts stay.
   if (first_phase && R.split_done.fetch_add(1) + 1 == R.split_ranks.load()) {
     for (int q = 0; q < size; ++q) {
       if (splits(R.posts[q], size)) open(R.second(q), use);
@@ -124,9 +127,6 @@ bool SharedGroup::finish_job(Round& R, uint64_t use, std::atomic<uint64_t>& clai
     R.opened.fetch_add(1);
     notify();
   }
-  if (R.left.fetch_sub(1) != 1) return false;
-  retire(R, use);
-  return true;
 }
 
 void SharedGroup::wait_for_jobs(Round& R, uint64_t use) {
@@ -155,8 +155,6 @@ void SharedGroup::retire(Round& R, uint64_t use) {
     p.input = Tensor();
     p.output = Tensor();
   }
-  for (size_t j = 0; j < R.num_claims(); ++j)
-    R.claims[j].store(closed_in(use + 1));
   R.left.store(0);
   R.split_ranks.store(-1);
   R.split_done.store(0);
@@ -168,6 +166,8 @@ void SharedGroup::retire(Round& R, uint64_t use) {
       log_error("[comm::threads] a completion callback of {} threw: {}", work->description(),
                 e.what());
     }
+    // Before the state moves on (Note [Threads jobs]).
+    work.reset();
   }
   R.state.store((use + 1) << kUseShift);
   notify();

@@ -183,8 +183,9 @@ struct SharedGroup {
   // ---- jobs (Note [Threads jobs]) ----
 
   static void open(std::atomic<uint64_t>& claim, uint64_t use) {
-    uint64_t closed = closed_in(use);
-    claim.compare_exchange_strong(closed, open_in(use));
+    uint64_t flag = claim.load();
+    while (closed_in(flag, use) && !claim.compare_exchange_weak(flag, open_in(use))) {
+    }
   }
 
   // After rank `me` published its post of round k (use `use` of R): opens
@@ -199,9 +200,8 @@ struct SharedGroup {
   bool run_jobs(Round& R, uint64_t use, int first);
 
   // Runs the job of rank r from `source` (-1: its second phase), part
-  // `part`, claimed by this thread; true when it was the last one and
-  // retired the round.
-  bool finish_job(Round& R, uint64_t use, std::atomic<uint64_t>& claim, int r, int source,
+  // `part`, claimed by this thread. Its count in `left` is run_jobs'.
+  void finish_job(Round& R, uint64_t use, std::atomic<uint64_t>& claim, int r, int source,
                   int part);
 
   // Waits until no job of R (use `use`) is running: before a Work of a

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "runtime/error.h"
+#include "tensor/cpu/copy_bytes.h"
 #include "tensor/dtype.h"
 
 namespace tandem::threads_detail {
@@ -143,6 +144,19 @@ std::pair<int64_t, int64_t> chunk_of(int r, int n, int64_t count) {
 // posts that retirement clears (two ranks may post, and open, at once: each
 // rank has its own issue lock, Note [Issue lock]).
 //
+// Shared cache lines cost: when the host puts two rank threads' cores on two
+// dies (Note [Core round trip] in tools/bench/bench_comm.cpp), every line one
+// of them writes and the other then touches crosses between the dies. So a
+// driver counts down `left` once per pass over the jobs, not once per job,
+// and retirement resets no claim flag: flags only grow (use u's values are
+// 4u..4u+3) and any value below open_in(u) reads as closed in use u, so a
+// flag left from an earlier use of the ring slot needs no write (a round of
+// 4 ranks has 132 flags). The retirer also lets go of every member's Work
+// before it moves the round's state on, which is what releases the members'
+// drivers: the last reference to an output then goes with its own rank's
+// thread, whose next output reuses that block (Note [Allocator thread
+// affinity]).
+//
 // Note [Threads job order]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
 // A driver runs its own rank's whole-part job (a reduction's output stays
@@ -260,7 +274,7 @@ void copy_piece(const Round& R, int index, int source, int part) {
   if (me.kind == CollectiveKind::AllGather) {
     const int64_t chunk = static_cast<int64_t>(me.input.nbytes());
     const auto [lo, hi] = part_range(chunk);
-    std::memcpy(out + source * chunk + lo, in + lo, static_cast<size_t>(hi - lo));
+    cpu::copy_bytes(out + source * chunk + lo, in + lo, static_cast<size_t>(hi - lo));
     return;
   }
   TANDEM_CHECK(peer.input_splits[index] == me.output_splits[source],
@@ -275,8 +289,8 @@ void copy_piece(const Round& R, int index, int source, int part) {
     in_row += peer.input_splits[r];
   const auto [lo, hi] = part_range(me.output_splits[source] * row_bytes);
   if (hi > lo) {
-    std::memcpy(out + out_row * row_bytes + lo, in + in_row * row_bytes + lo,
-                static_cast<size_t>(hi - lo));
+    cpu::copy_bytes(out + out_row * row_bytes + lo, in + in_row * row_bytes + lo,
+                    static_cast<size_t>(hi - lo));
   }
 }
 
@@ -331,9 +345,9 @@ void copy_peer_chunks(Round& R, int index) {
   for (int r = 0; r < n; ++r) {
     auto [lo, hi] = chunk_of(r, n, count);
     if (r == index || hi <= lo) continue;
-    std::memcpy(static_cast<char*>(me.output.raw_data()) + lo * element,
-                static_cast<const char*>(R.posts[r].output.raw_data()) + lo * element,
-                static_cast<size_t>(hi - lo) * element);
+    cpu::copy_bytes(static_cast<char*>(me.output.raw_data()) + lo * element,
+                    static_cast<const char*>(R.posts[r].output.raw_data()) + lo * element,
+                    static_cast<size_t>(hi - lo) * element);
   }
 }
 
@@ -359,7 +373,7 @@ void run_whole(const Round& R, int index) {
     }
     case CollectiveKind::Broadcast: {
       const Tensor& src = R.posts[me.root].input;
-      std::memcpy(me.output.raw_data(), src.raw_data(), me.output.nbytes());
+      cpu::copy_bytes(me.output.raw_data(), src.raw_data(), me.output.nbytes());
       return;
     }
     case CollectiveKind::ReduceScatter: {

@@ -33,9 +33,11 @@ inline int posted_of(uint64_t state) {
   return static_cast<int>(state & kCountMask);
 }
 // A job's claim flag during use u of its slot: closed (not runnable yet, or
-// not a job of this round), open, claimed (running), done.
-inline uint64_t closed_in(uint64_t u) {
-  return 4 * u;
+// not a job of this round), open, claimed (running), done. Flags only grow,
+// so every value below open_in(u), whatever an earlier use of the slot left
+// there, reads as closed in use u: retiring a round resets no flag.
+inline bool closed_in(uint64_t flag, uint64_t u) {
+  return flag < 4 * u + 1;
 }
 inline uint64_t open_in(uint64_t u) {
   return 4 * u + 1;

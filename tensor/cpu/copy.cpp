@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "tensor/cpu/copy_bytes.h"
 #include "tensor/cpu/loops.h"
 #include "tensor/kernels.h"
 #include "tensor/random.h"
@@ -26,7 +27,7 @@ inline To convert(From v) {
 
 void copy(const TensorArg& in, const TensorArg& out) {
   if (in.dtype == out.dtype && in.contiguous && out.contiguous) {
-    std::memcpy(out.data, in.data, static_cast<size_t>(out.numel) * dtype_size(out.dtype));
+    copy_bytes(out.data, in.data, static_cast<size_t>(out.numel) * dtype_size(out.dtype));
     return;
   }
   dispatch_dtype(in.dtype, [&](auto in_tag) {

@@ -9,6 +9,7 @@
 // sums in any order are exact and results can be compared exactly.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <random>
@@ -661,6 +662,34 @@ TEST_CASE("more collectives in flight than the ring holds", "[collectives]") {
     }
   });
   REQUIRE_NO_FAILURES(failures);
+}
+
+// A rank that waits for each collective before the next gets its output in
+// the block of its previous one: the retiring thread lets go of every Work
+// before it releases the ranks, so a rank frees its own output before it
+// allocates the next, and the allocator hands a thread back its own block
+// (Note [Allocator thread affinity]). A cycle through more blocks than ranks
+// would push a loop's working set out of the cache.
+TEST_CASE("a rank's outputs in a synchronous loop reuse one block", "[collectives]") {
+  for (int world : {2, 4}) {
+    Failures failures;
+    run_ranks(world, [&](ProcessGroupPtr pg) {
+      const int rank = pg->rank();
+      Tensor x = ops::full({262144}, rank);  // 1 MiB: outputs of `world` MiB
+      std::vector<const void*> blocks;
+      for (int i = 0; i < 40; ++i) {
+        WorkPtr w = pg->all_gather(x);
+        w->synchronize();
+        const void* block = w->result().raw_data();
+        if (std::find(blocks.begin(), blocks.end(), block) == blocks.end()) blocks.push_back(block);
+      }
+      if (blocks.size() != 1) {
+        failures.add(fmt::format("world {} rank {}: 40 outputs in {} blocks, expected 1", world,
+                                 rank, blocks.size()));
+      }
+    });
+    REQUIRE_NO_FAILURES(failures);
+  }
 }
 
 // Large buffers take the split path of the threads backend (each rank

@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 #include "runtime/allocator.h"
 #include "runtime/error.h"
@@ -108,6 +110,52 @@ TEST_CASE("a block of another rounded size is not reused", "[allocator]") {
   REQUIRE(q != p);
   REQUIRE(CountingBackend::allocs == 2);
   alloc->deallocate(q);
+}
+
+TEST_CASE("a thread gets back the block it allocated before one another thread freed later",
+          "[allocator]") {
+  // Note [Allocator thread affinity].
+  BackendScope scope;
+  Stream s = Stream::create(Device::cpu(), CpuStreamMode::Inline);
+  auto alloc = make_caching_allocator(Device::cpu(), CountingBackend::raw(), false);
+  // Runs `fn` on a thread of its own and waits for it.
+  auto on_other_thread = [](auto fn) { std::thread(fn).join(); };
+
+  void* mine = alloc->allocate(8192, s);
+  void* theirs = nullptr;
+  on_other_thread([&] { theirs = alloc->allocate(8192, s); });
+  alloc->deallocate(mine);
+  alloc->deallocate(theirs);  // freed here, last: the top of the stack
+
+  SECTION("each thread takes its own block, whoever freed it") {
+    void* again = alloc->allocate(8192, s);
+    CHECK(again == mine);
+    alloc->deallocate(again);
+  }
+  SECTION("a thread with no block of its own takes the most recently freed one") {
+    void* stranger = nullptr;
+    on_other_thread([&] { stranger = alloc->allocate(8192, s); });
+    CHECK(stranger == theirs);
+    alloc->deallocate(stranger);
+  }
+  SECTION("only the top of the stack is searched") {
+    REQUIRE(alloc->allocate(8192, s) == mine);
+    // Eight blocks of another thread, freed after ours, bury it.
+    std::vector<void*> burying(8);
+    on_other_thread([&] {
+      for (void*& p : burying)
+        p = alloc->allocate(8192, s);
+    });
+    alloc->deallocate(mine);
+    for (void* p : burying)
+      alloc->deallocate(p);
+    void* top = alloc->allocate(8192, s);
+    CHECK(top == burying.back());
+    alloc->deallocate(top);
+  }
+  REQUIRE(CountingBackend::allocs == alloc->stats().num_system_allocs);
+  alloc.reset();
+  REQUIRE(CountingBackend::live_bytes == 0);
 }
 
 TEST_CASE("sizes are rounded: 512 B steps below 1 MiB, quarter powers of two above",

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "runtime/allocator.h"
+#include "tensor/cpu/copy_bytes.h"
 #include "tensor/ops.h"
 #include "tensor/random.h"
 #include "tests/support/test_util.h"
@@ -453,6 +454,37 @@ TEST_CASE("clone copies data", "[factory]") {
   Tensor sc = ops::clone(strided);
   REQUIRE(sc.is_contiguous());
   REQUIRE(values_of(sc) == std::vector<double>{1, 4, 7});
+}
+
+// Note [Large copies]: from cpu::kRepMovsbFrom bytes up copy_bytes() may
+// issue `rep movsb` itself; every size and alignment around that threshold
+// must copy exactly the bytes memcpy would, and nothing past them.
+TEST_CASE("copy_bytes copies exactly n bytes at every size around the rep movsb threshold",
+          "[factory]") {
+  const size_t from = cpu::kRepMovsbFrom;
+  std::vector<unsigned char> src(from + 4096), dst(from + 4096);
+  for (size_t i = 0; i < src.size(); ++i)
+    src[i] = static_cast<unsigned char>(i * 131 + 7);
+  for (size_t n : {size_t{0}, size_t{1}, size_t{4095}, from - 1, from, from + 1, from + 63}) {
+    for (size_t offset : {size_t{0}, size_t{1}, size_t{63}}) {
+      std::fill(dst.begin(), dst.end(), 0xAB);
+      cpu::copy_bytes(dst.data() + offset, src.data() + 64 - offset, n);
+      INFO("n = " << n << ", offset = " << offset
+                  << ", rep movsb: " << cpu::copy_bytes_uses_rep_movsb());
+      CHECK(std::memcmp(dst.data() + offset, src.data() + 64 - offset, n) == 0);
+      CHECK(std::all_of(dst.begin(), dst.begin() + static_cast<std::ptrdiff_t>(offset),
+                        [](unsigned char c) { return c == 0xAB; }));
+      CHECK(std::all_of(dst.begin() + static_cast<std::ptrdiff_t>(offset + n), dst.end(),
+                        [](unsigned char c) { return c == 0xAB; }));
+    }
+  }
+  // A contiguous tensor copy above the threshold goes through it.
+  const size_t count = from / 4 + 3;
+  Tensor big = ops::arange(0, static_cast<double>(count), 1, DType::F32);
+  std::vector<float> want(count);
+  for (size_t i = 0; i < count; ++i)
+    want[i] = static_cast<float>(i);
+  CHECK(ops::clone(big).to_vector<float>() == want);
 }
 
 TEST_CASE("copy_ writes into a view of the destination", "[factory]") {

@@ -46,9 +46,28 @@
 // between them (up to ~20% at 1-4 MiB). Interleaving cannot remove a
 // regime that lasts a whole row: compare several runs, and read the regime
 // from the baseline times.
+//
+// Note [Core round trip]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// One regime has a cause that can be measured: the virtual machines these
+// rows were tuned on have 2 vCPUs that the host places on one L3 (a cache
+// line goes from one core to the other and back in ~85 ns) or, for minutes
+// at a time, on two dies (~390 ns, and each die has an L3 of its own). With
+// two L3s every line a rank writes and another reads crosses the dies: the
+// naive version of a 1 MiB all_to_all went from 41 to 45 us, tandem's from
+// 41 to 56 us (its rounds hand jobs, claims and counters between threads:
+// more shared lines than two barriers). So the threads rows start by
+// timing that round trip between CPUs 0 and 1 (2,000 round trips, median of
+// 5 runs) and print it next to the table; compare runs of the same
+// topology.
 #include <fmt/format.h>
 
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
 #include <barrier>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -339,6 +358,58 @@ void reference_step(SharedRow& row, int rank) {
       reduce_in_rank_order(row, rank * row.counts.out, row.counts.out, out);
       return;
   }
+}
+
+// Note [Core round trip]: ns for a cache line to go from CPU 0 to CPU 1 and
+// back; 0 when this process may not run on both.
+double core_round_trip_ns() {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || !CPU_ISSET(0, &allowed) ||
+      !CPU_ISSET(1, &allowed)) {
+    return 0.0;
+  }
+  auto pin = [](int cpu) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    return sched_setaffinity(0, sizeof one, &one) == 0;
+  };
+  constexpr int kTrips = 2000;
+  std::vector<double> runs;
+  for (int run = 0; run < 5; ++run) {
+    alignas(64) std::atomic<int> ball{0};
+    std::atomic<bool> pinned{true};
+    double ns = 0.0;
+    std::thread a([&] {
+      if (!pin(0)) pinned = false;
+      while (ball.load() == 0) {  // the other side is pinned and waiting
+      }
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 1; i <= kTrips; ++i) {
+        ball.store(2 * i);
+        while (ball.load() != 2 * i + 1) {
+        }
+      }
+      ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start)
+               .count() /
+           kTrips;
+    });
+    std::thread b([&] {
+      if (!pin(1)) pinned = false;
+      ball.store(1);
+      for (int i = 1; i <= kTrips; ++i) {
+        while (ball.load() != 2 * i) {
+        }
+        ball.store(2 * i + 1);
+      }
+    });
+    a.join();
+    b.join();
+    if (!pinned) return 0.0;
+    runs.push_back(ns);
+  }
+  std::sort(runs.begin(), runs.end());
+  return runs[runs.size() / 2];
 }
 
 PairTiming time_threads_row(Op op, int64_t bytes, const TimingConfig& config) {
@@ -659,6 +730,12 @@ int run_comm(const Options& options) {
     return report.finish();
   }
   Report report("comm", options, config);
+  const double trip = core_round_trip_ns();
+  report.set("core_round_trip_ns", trip,
+             trip > 0 ? fmt::format("cache-line round trip CPU 0 -> 1 -> 0: {:.0f} ns (Note [Core "
+                                    "round trip]: ~85 one L3, ~390 two)",
+                                    trip)
+                      : "cache-line round trip: not measured (CPUs 0 and 1 not both available)");
   bench_threads(report, options, config, measured);
   report_bandwidth(report, measured);
   if (launched > 1) {

@@ -3,6 +3,9 @@
 //
 //   matmul (CPU)   ops::matmul vs cblas_sgemm called directly, 1 and 2 threads
 //   elementwise    add, mul, exp, gelu, softmax vs plain loops over std::vector
+//   copy           ops::clone of a contiguous tensor vs std::memcpy (Note [Large
+//                  copies]: tandem's large copies use `rep movsb` where that
+//                  beats glibc's memcpy)
 //   matmul (GPU)   ops::matmul vs cuBLAS called directly, f32 and bf16
 //
 // The tandem side allocates its output on every call, as user code does; the
@@ -13,12 +16,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <vector>
 
 #include "runtime/allocator.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
+#include "tensor/cpu/copy_bytes.h"
 #include "tensor/ops.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/cuda_baseline.h"
@@ -204,6 +209,47 @@ void bench_elementwise(Report& report, const TimingConfig& config) {
   }
 }
 
+// ---- copy ----
+
+PairTiming time_copy(int64_t bytes, const TimingConfig& config) {
+  const int64_t n = bytes / static_cast<int64_t>(sizeof(float));
+  Generator gen(static_cast<uint64_t>(n));
+  Tensor a = ops::randn({n}, gen);
+  std::vector<float> out_host(static_cast<size_t>(n));
+  ops::set_num_threads(1);
+
+  Tensor out;
+  Kernel tandem = [&](int reps) {
+    for (int i = 0; i < reps; ++i)
+      out = ops::clone(a);
+  };
+  Kernel baseline = [&](int reps) {
+    for (int i = 0; i < reps; ++i)
+      std::memcpy(out_host.data(), a.raw_data(), static_cast<size_t>(bytes));
+  };
+  tandem(1);
+  baseline(1);
+  check_agrees(compare(out.to_vector<float>(), out_host, 0.0, 0.0),
+               fmt::format("copy {} bytes", bytes));
+  return time_interleaved(tandem, baseline, config);
+}
+
+void bench_copy(Report& report, const TimingConfig& config) {
+  report.set("copy_rep_movsb", cpu::copy_bytes_uses_rep_movsb(),
+             fmt::format("large copies (>= {} KiB): {}", cpu::kRepMovsbFrom >> 10,
+                         cpu::copy_bytes_uses_rep_movsb() ? "rep movsb" : "std::memcpy"));
+  for (int64_t bytes : {int64_t{256} << 10, int64_t{4} << 20, int64_t{64} << 20}) {
+    Row row;
+    row.group = "copy";
+    row.name = bytes >= (int64_t{1} << 20) ? fmt::format("{} MiB f32", bytes >> 20)
+                                           : fmt::format("{} KiB f32", bytes >> 10);
+    row.device = "cpu";
+    row.threads = 1;
+    row.baseline = "std::memcpy into one buffer";
+    add_row(report, std::move(row), [&] { return time_copy(bytes, config); });
+  }
+}
+
 // ---- GPU matmul ----
 
 PairTiming time_gpu_matmul(Device device, int64_t n, DType dtype, const TimingConfig& config) {
@@ -298,6 +344,7 @@ int run_tensor(const Options& options) {
              fmt::format("baseline BLAS: {}", openblas_get_config()));
   bench_cpu_matmul(report, config);
   bench_elementwise(report, config);
+  bench_copy(report, config);
   bench_gpu_matmul(report, config);
   report_memory(report);
   return report.finish();
