@@ -14,9 +14,9 @@ void Work::finish(std::exception_ptr error) {
   std::vector<std::function<void()>> callbacks;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (completed_) return;
-    completed_ = true;
+    if (completed_.load(std::memory_order_relaxed)) return;
     error_ = error;
+    completed_.store(true, std::memory_order_release);
     callbacks.swap(callbacks_);
     kept_.clear();
   }
@@ -28,7 +28,7 @@ void Work::finish(std::exception_ptr error) {
 void Work::on_completion(std::function<void()> fn) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!completed_) {
+    if (!completed_.load(std::memory_order_relaxed)) {
       callbacks_.push_back(std::move(fn));
       return;
     }
@@ -55,13 +55,15 @@ CommWaitScope::~CommWaitScope() {
 }
 
 bool Work::wait_finished(std::chrono::milliseconds timeout) {
+  if (completed_.load(std::memory_order_acquire)) return true;
   std::unique_lock<std::mutex> lock(mu_);
-  if (completed_) return true;
+  if (completed_.load(std::memory_order_relaxed)) return true;
   // A host that blocks here is not computing: tandem-trace counts "wait"
   // spans as neither compute nor communication (Note [Exposed communication]).
   TraceSpan span("wait", "comm wait");
   const auto start = std::chrono::steady_clock::now();
-  const bool done = cv_.wait_for(lock, timeout, [&] { return completed_; });
+  const bool done =
+      cv_.wait_for(lock, timeout, [&] { return completed_.load(std::memory_order_relaxed); });
   g_comm_wait_ns.fetch_add(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
           .count(),
@@ -70,13 +72,13 @@ bool Work::wait_finished(std::chrono::milliseconds timeout) {
 }
 
 std::exception_ptr Work::error() const {
+  if (completed_.load(std::memory_order_acquire)) return error_;  // final
   std::lock_guard<std::mutex> lock(mu_);
   return error_;
 }
 
 bool Work::is_completed() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return completed_;
+  return completed_.load(std::memory_order_acquire);
 }
 
 void Work::rethrow_if_failed() {

@@ -12,6 +12,7 @@
 // always owned by a shared_ptr (WorkPtr).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -72,7 +73,9 @@ class Work : public std::enable_shared_from_this<Work> {
   std::vector<Tensor> kept_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  bool completed_ = false;
+  // Set once, under mu_, after error_: a waiter that sees it (acquire) reads
+  // error_ without the lock, so a completed Work costs no lock to wait on.
+  std::atomic<bool> completed_{false};
   std::exception_ptr error_;
   std::vector<std::function<void()>> callbacks_;
 };

@@ -267,7 +267,7 @@ class ThreadsProcessGroup final : public ProcessGroup {
     SharedGroup& g = *shared_;
     Round& R = g.round(k);
     const uint64_t use = k / kRounds;
-    const Ticket t{k, c.entry.seq, c.kind, Clock::now()};
+    const Ticket t{k, c.entry.seq, c.kind, coarse_now()};
     if (!slot_free(k)) {
       // Only on the comm thread, which has driven the slot's previous round:
       // its retirer may still be finishing it.

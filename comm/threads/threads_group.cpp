@@ -23,6 +23,13 @@ void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, std::chrono::nan
           0);
 }
 
+Clock::time_point coarse_now() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  return Clock::time_point(std::chrono::duration_cast<Clock::duration>(
+      std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec)));
+}
+
 void futex_wake_all(std::atomic<uint32_t>& word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
           nullptr, 0);
@@ -137,14 +144,13 @@ void SharedGroup::wait_for_jobs(Round& R, uint64_t use) {
 }
 
 void SharedGroup::retire(Round& R, uint64_t use) {
-  std::vector<std::pair<WorkPtr, std::exception_ptr>> works(static_cast<size_t>(size));
+  // Every job has ended: nothing else reads the posts or writes R.errors.
   std::string failed;
   for (int r = 0; r < size; ++r) {
     Post& p = R.posts[r];
-    works[r] = {std::move(p.work), std::exchange(R.errors[r], nullptr)};
-    if (works[r].second && failed.empty()) {
+    if (R.errors[r] && failed.empty()) {
       failed = fmt::format("rank {} failed in #{} {}: {}", r, p.entry.seq, collective_name(p.kind),
-                           what_of(works[r].second));
+                           what_of(R.errors[r]));
     }
     if (p.start_us > 0 && trace_enabled()) {
       trace_complete("comm", fmt::format("{} #{}", collective_name(p.kind), p.entry.seq),
@@ -159,15 +165,15 @@ void SharedGroup::retire(Round& R, uint64_t use) {
   R.split_ranks.store(-1);
   R.split_done.store(0);
   if (!failed.empty()) abort(failed);
-  for (auto& [work, error] : works) {
+  for (int r = 0; r < size; ++r) {
+    WorkPtr work = std::move(R.posts[r].work);
     try {
-      work->finish(error);
+      work->finish(std::exchange(R.errors[r], nullptr));
     } catch (const std::exception& e) {  // a completion callback's: not the round's
       log_error("[comm::threads] a completion callback of {} threw: {}", work->description(),
                 e.what());
     }
-    // Before the state moves on (Note [Threads jobs]).
-    work.reset();
+    // Dropped before the state moves on (Note [Threads jobs]).
   }
   R.state.store((use + 1) << kUseShift);
   notify();

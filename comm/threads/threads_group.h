@@ -28,6 +28,11 @@ namespace threads_detail {
 
 using Clock = std::chrono::steady_clock;
 
+// Clock::now() to within a scheduler tick (CLOCK_MONOTONIC_COARSE, the same
+// clock steady_clock reads on Linux, a few ns instead of tens in a VM): what a
+// launch stamps its post with, for a watchdog deadline of seconds.
+Clock::time_point coarse_now();
+
 // Sleeps while `word` holds `expected`, at most `timeout` (a wake-up may be
 // spurious: callers re-check). Linux futexes: one syscall to sleep, one to
 // wake every sleeper, and no mutex for the woken threads to queue on.
