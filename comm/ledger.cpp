@@ -1,5 +1,7 @@
 #include "comm/ledger.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 namespace tandem {
@@ -39,15 +41,25 @@ LedgerEntry Ledger::append(LedgerEntry entry) {
   std::lock_guard<std::mutex> lock(mu_);
   entry.seq = next_seq_++;
   running_ = mix(running_, entry.fingerprint());
-  entries_.push_back(entry);
-  if (entries_.size() > capacity_) entries_.pop_front();
+  if (capacity_ > 0) {
+    const size_t slot = static_cast<size_t>(entry.seq % capacity_);
+    if (slot == entries_.size()) {
+      entries_.push_back(entry);
+    } else {
+      entries_[slot] = entry;
+    }
+  }
   return entry;
 }
 
 std::vector<LedgerEntry> Ledger::tail(size_t n) const {
   std::lock_guard<std::mutex> lock(mu_);
-  size_t start = entries_.size() > n ? entries_.size() - n : 0;
-  return std::vector<LedgerEntry>(entries_.begin() + static_cast<long>(start), entries_.end());
+  const uint64_t count = std::min<uint64_t>({n, next_seq_, capacity_});
+  std::vector<LedgerEntry> out;
+  out.reserve(static_cast<size_t>(count));
+  for (uint64_t seq = next_seq_ - count; seq < next_seq_; ++seq)
+    out.push_back(entries_[static_cast<size_t>(seq % capacity_)]);
+  return out;
 }
 
 std::string Ledger::tail_str(size_t n) const {

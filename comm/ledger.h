@@ -12,7 +12,6 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -46,7 +45,10 @@ class Ledger {
  private:
   size_t capacity_;
   mutable std::mutex mu_;
-  std::deque<LedgerEntry> entries_;
+  // The last capacity_ entries, a ring: entry `seq` sits at seq % capacity_
+  // and is overwritten in place, so a launch copies into strings and a vector
+  // that already have their capacity instead of allocating.
+  std::vector<LedgerEntry> entries_;
   uint64_t next_seq_ = 0;
   uint64_t running_ = 1469598103934665603ull;
 };

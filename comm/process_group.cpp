@@ -90,13 +90,14 @@ WorkPtr ProcessGroup::issue(Collective c, std::vector<Tensor> keep) {
   description += where();
   description += ')';
   c.work = make_work(std::move(description));
+  // The outputs live as long as the Work (result()); `keep` until it finishes.
   std::vector<Tensor> outputs;
+  outputs.reserve(1 + c.p2p_outputs.size());
   if (c.output.defined()) outputs.push_back(c.output);
   for (const Tensor& t : c.p2p_outputs)
     outputs.push_back(t);
-  c.work->set_outputs(outputs);
-  keep.insert(keep.end(), outputs.begin(), outputs.end());
-  c.work->keep_alive(std::move(keep));
+  c.work->set_outputs(std::move(outputs));
+  if (!keep.empty()) c.work->keep_alive(std::move(keep));
   Device device = c.input.defined() ? c.input.device() : Device::cpu();
   // An inline CPU stream has run everything before this call: an event
   // recorded there would be complete at once, and one never recorded is.
@@ -220,8 +221,8 @@ WorkPtr ProcessGroup::all_to_all_single(const Tensor& t, const AllToAllOptions& 
   Shape out_shape = t.shape();
   out_shape[0] = out_total;
   c.output = empty(out_shape, t.dtype(), t.device());
-  c.input_splits = in;
-  c.output_splits = out;
+  c.input_splits = std::move(in);
+  c.output_splits = std::move(out);
   Shape row = t.shape();
   row[0] = 1;
   c.entry = entry_for("all_to_all", Tensor(), -1, options.tag);

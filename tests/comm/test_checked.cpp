@@ -227,6 +227,38 @@ TEST_CASE("the ledger records op, dtype, counts, peer and tag", "[checked]") {
   }
 }
 
+TEST_CASE("the ledger keeps its last entries in launch order once it wraps", "[checked]") {
+  Ledger ledger(3);
+  CHECK(ledger.tail(5).empty());
+  CHECK_THAT(ledger.tail_str(5), Contains("no collectives launched"));
+  for (int i = 0; i < 7; ++i) {
+    LedgerEntry e;
+    e.op = i % 2 == 0 ? "all_reduce" : "a_collective_with_a_long_name";
+    e.counts.assign(static_cast<size_t>(i + 1), i);
+    e.tag = fmt::format("step {}", i);
+    CHECK(ledger.append(e).seq == static_cast<uint64_t>(i));
+  }
+  CHECK(ledger.size() == 7);
+  std::vector<LedgerEntry> all = ledger.tail(10);  // only the last 3 are kept
+  REQUIRE(all.size() == 3);
+  for (int k = 0; k < 3; ++k) {
+    const int i = 4 + k;
+    CHECK(all[k].seq == static_cast<uint64_t>(i));
+    CHECK(all[k].op == (i % 2 == 0 ? "all_reduce" : "a_collective_with_a_long_name"));
+    CHECK(all[k].counts == std::vector<int64_t>(static_cast<size_t>(i + 1), i));
+    CHECK(all[k].tag == fmt::format("step {}", i));
+  }
+  std::vector<LedgerEntry> last = ledger.tail(2);
+  REQUIRE(last.size() == 2);
+  CHECK(last[0].seq == 5);
+  CHECK(last[1].seq == 6);
+
+  Ledger none(0);  // keeps no entries, still counts and hashes them
+  none.append(LedgerEntry{});
+  CHECK(none.size() == 1);
+  CHECK(none.tail(4).empty());
+}
+
 // History fingerprints of every rank after running `sequence` on `world` ranks.
 std::vector<uint64_t> history_after(int world, const std::function<void(ProcessGroup&)>& sequence) {
   std::vector<uint64_t> fingerprints(static_cast<size_t>(world));
