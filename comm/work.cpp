@@ -72,9 +72,8 @@ bool Work::wait_finished(std::chrono::milliseconds timeout) {
 }
 
 std::exception_ptr Work::error() const {
-  if (completed_.load(std::memory_order_acquire)) return error_;  // final
-  std::lock_guard<std::mutex> lock(mu_);
-  return error_;
+  // error_ is written once, before completed_ (release), and never after.
+  return completed_.load(std::memory_order_acquire) ? error_ : nullptr;
 }
 
 bool Work::is_completed() {

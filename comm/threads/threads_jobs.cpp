@@ -2,7 +2,6 @@
 #include "comm/threads/threads_jobs.h"
 
 #include <algorithm>
-#include <cstring>
 #include <type_traits>
 #include <utility>
 
