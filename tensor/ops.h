@@ -239,6 +239,9 @@ bool equal(const Tensor& a, const Tensor& b);  // same shape and identical value
 // large elementwise ops: Note [CPU kernel threads]); default 1.
 void set_num_threads(int n);
 int num_threads();
+// The vector instructions the CPU kernels were built for (-Dcpu_arch; Note
+// [SIMD width] in tensor/cpu/simd.h): "avx512", "avx2", "avx" or "sse2".
+const char* cpu_vector_isa();
 
 }  // namespace ops
 }  // namespace tandem
