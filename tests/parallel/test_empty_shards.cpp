@@ -235,6 +235,34 @@ TEST_CASE("column- then row-parallel linears with biases and an empty shard", "[
   }
 }
 
+TEST_CASE("DTensor::distribute keeps requires_grad, as PyTorch's distribute_tensor",
+          "[dtensor][empty]") {
+  Generator gen(4);
+  Tensor full = ops::randn({5, 3}, gen);  // 5 rows on 4 ranks: [2,2,1,0]
+  set_requires_grad(full);
+  Tensor plain = ops::randn({5, 3}, gen);
+  tandem::testing::RankChecks rc;
+  run_ranks(4, [&](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {4}, {"tp"});
+    for (Placement p : {Placement(Shard(0)), Placement(Replicate())}) {
+      DTensor d = DTensor::distribute(full, mesh, {p});
+      RANK_CHECK(rc, requires_grad(d.to_local()));
+      RANK_CHECK(rc, is_leaf(d.to_local()));
+      // backward through the DTensor reaches the local leaf (empty on rank 3).
+      backward(sum(mul(d.full_tensor(), 2.0)));
+      Tensor g = grad(d.to_local());
+      RANK_CHECK(rc, g.defined() && g.shape() == d.to_local().shape() &&
+                         ops::allclose(g, ops::full_like(g, 2.0)));
+    }
+    // A tensor that does not require grad gives one that does not either.
+    RANK_CHECK(rc, !requires_grad(DTensor::distribute(plain, mesh, {Shard(0)}).to_local()));
+    // A non-leaf would silently lose its graph: refused, saying what to do.
+    Tensor derived = mul(full, 2.0);
+    RANK_CHECK_THROWS_WITH(rc, DTensor::distribute(derived, mesh, {Shard(0)}), "from_local");
+  });
+  rc.report();
+}
+
 TEST_CASE("context parallel refusals name what they refuse", "[cp]") {
   tandem::testing::RankChecks rc;
   run_ranks(2, [&](ProcessGroupPtr pg) {
