@@ -7,11 +7,14 @@
 // with them (issue 15, part 4).
 #include <catch2/catch.hpp>
 
+#include <cmath>
+
 #include "autograd/nn/attention.h"
 #include "autograd/nn/transformer.h"
 #include "autograd/ops.h"
 #include "comm/threads/threads_backend.h"
 #include "parallel/context_parallel.h"
+#include "parallel/dtensor_ops.h"
 #include "parallel/tensor_parallel.h"
 #include "tests/support/rank_checks.h"
 
@@ -233,6 +236,31 @@ TEST_CASE("column- then row-parallel linears with biases and an empty shard", "[
     });
     rc.report();
   }
+}
+
+TEST_CASE("DTensor ops over a dim that some ranks hold none of", "[dtensor][empty]") {
+  // 5 rows and 3 columns on 4 ranks: shards of [2,2,1,0] and [1,1,1,0].
+  Generator gen(8);
+  Tensor A = ops::randn({5, 3}, gen), B = ops::randn({3, 4}, gen);
+  tandem::testing::RankChecks rc;
+  run_ranks(4, [&](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {4}, {"tp"});
+    auto dist = [&](const Tensor& t, Placement p) { return DTensor::distribute(t, mesh, {p}); };
+    RANK_CHECK(rc, close(sum(dist(A, Shard(0)), {0}).full_tensor(), ops::sum(A, {0})));
+    RANK_CHECK(rc, close(mean(dist(A, Shard(0)), {0}).full_tensor(), ops::mean(A, {0})));
+    RANK_CHECK(rc, close(mean(dist(A, Shard(1)), {1}).full_tensor(), ops::mean(A, {1})));
+    // K sharded [1,1,1,0]: the last rank's partial product is zeros.
+    RANK_CHECK(
+        rc, close(matmul(dist(A, Shard(1)), dist(B, Shard(0))).full_tensor(), ops::matmul(A, B)));
+    RANK_CHECK(rc, close(softmax(dist(A, Shard(1)), -1).full_tensor(), ops::softmax(A, -1)));
+    // A mean over a globally empty dim is NaN, as the local one.
+    Tensor none = ops::zeros({0, 3});
+    DTensor m = mean(dist(none, Shard(1)), {0});
+    RANK_CHECK(rc, m.full_tensor().shape() == Shape{3});
+    for (double v : ops::to(m.full_tensor(), DType::F64).to_vector<double>())
+      RANK_CHECK(rc, std::isnan(v));
+  });
+  rc.report();
 }
 
 TEST_CASE("DTensor::distribute keeps requires_grad, as PyTorch's distribute_tensor",
