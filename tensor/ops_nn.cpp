@@ -107,7 +107,8 @@ void check_attention_inputs(const Tensor& q, const Tensor& k, const Tensor& v, c
   TANDEM_CHECK(k.size(0) == B && k.size(3) == D,
                "[tensor::{}] expected q and k with the same B and D, got q={}, k={}", op, q.shape(),
                k.shape());
-  TANDEM_CHECK(Hkv > 0 && Hq % Hkv == 0,
+  // No heads at all (an empty head shard) is the one layout with Hkv == 0.
+  TANDEM_CHECK((Hkv > 0 && Hq % Hkv == 0) || (Hq == 0 && Hkv == 0),
                "[tensor::{}] expected Hq divisible by Hkv, got Hq={}, Hkv={} (q={}, k={})", op, Hq,
                Hkv, q.shape(), k.shape());
   TANDEM_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(),
@@ -467,9 +468,25 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
       options.scale.value_or(D > 0 ? 1.0 / std::sqrt(static_cast<double>(D)) : 1.0);
 
   AttentionResult r;
-  if (Sq == 0 || Sk == 0) {  // nothing to attend to: zero output, lse = -inf
+  if (q.numel() == 0 || Sk == 0) {
+    // Nothing to attend to, or no query: a zero (or empty) output, lse = -inf.
     r.out = zeros({B, Hq, Sq, D}, q.dtype(), dev);
     r.lse = full({B, Hq, Sq}, kNegInf, DType::F32, dev);
+    if (D == 0 && r.lse.numel() > 0) {
+      // D == 0 alone: every score is an empty dot product, 0, so a row's
+      // log-sum-exp is log(number of keys it sees) (-inf when none).
+      const Tensor qpos =
+          unsqueeze(arange(static_cast<double>(options.q_offset),
+                           static_cast<double>(options.q_offset + Sq), 1.0, DType::I64, dev),
+                    1);
+      const Tensor kpos =
+          unsqueeze(arange(static_cast<double>(options.k_offset),
+                           static_cast<double>(options.k_offset + Sk), 1.0, DType::I64, dev),
+                    0);
+      const Tensor seen = options.causal ? sum(to(le(kpos, qpos), DType::F32), {1})
+                                         : full({Sq}, static_cast<double>(Sk), DType::F32, dev);
+      copy_(r.lse, log(seen));
+    }
     return r;
   }
   // The kernel runs in f32 for 16-bit inputs (f64 for f64), with one rounding
@@ -512,7 +529,7 @@ std::vector<Tensor> scaled_dot_product_attention_backward(const Tensor& q, const
   check_same_device(q, dout, op, "q", "dout");
   const int64_t Hkv = k.size(1), Sk = k.size(2);
   const DType ct = q.dtype() == DType::F64 ? DType::F64 : DType::F32;
-  if (Sq == 0 || Sk == 0) {
+  if (q.numel() == 0 || k.numel() == 0) {  // no scores: zero (or empty) gradients
     return {zeros_like(q), zeros_like(k), zeros_like(v)};
   }
   const double scale =

@@ -139,7 +139,12 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   if (a.dim() > 2 && b.dim() == 2 && a.is_contiguous()) {
     Shape out_shape = a.shape();
     out_shape[out_shape.size() - 1] = b.shape()[1];
-    return reshape(matmul_2d(reshape(a, Shape{-1, a.shape()[a.dim() - 1]}), b), out_shape);
+    // Rows spelled out, not -1: with K == 0 (an empty tensor-parallel shard)
+    // a -1 could not be inferred from 0 elements.
+    int64_t rows = 1;
+    for (int i = 0; i + 1 < a.dim(); ++i)
+      rows *= a.shape()[i];
+    return reshape(matmul_2d(reshape(a, Shape{rows, a.shape()[a.dim() - 1]}), b), out_shape);
   }
   if (a.dim() >= 2 && b.dim() >= 2) return matmul_2d(a, b);
   Tensor a2 = a.dim() == 1 ? unsqueeze(a, 0) : a;
