@@ -59,6 +59,8 @@ constexpr int64_t kNR = kNV * kW;
 static_assert(kMR * kNV + kNV + 1 <= simd::kVectorRegisters, "the tile must fit the registers");
 constexpr int64_t kKC = 256;
 constexpr int64_t kNC = simd::kVectorRegisters >= 32 ? 512 : 256;
+// Rows of A packed at a time (kMC x kKC floats: 2 MiB at most).
+constexpr int64_t kMC = 1024 / kMR * kMR;
 
 // Keeps GCC from re-reading `v` as a memory operand of every FMA that uses it.
 #define TANDEM_IN_REGISTER(v) __asm__("" : "+v"(v))
@@ -92,7 +94,7 @@ void micro_kernel(int64_t kc, const float* ap, const float* bp, float* c, int64_
   if (load_c) {  // C's rows are far apart: start their loads before the k loop
     for (int64_t r = 0; r < mr; ++r) {
       for (int64_t v = 0; v < kNR; v += 64 / static_cast<int64_t>(sizeof(float)))
-        __builtin_prefetch(c + r * ldc + v);
+        __builtin_prefetch(c + r * ldc + v, 1, 2);
     }
   }
   VecF acc[kMR][kNV];
@@ -125,7 +127,13 @@ void pack_b(const float* b, int64_t ldb, bool trans, int64_t pc, int64_t kc, int
   for (int64_t panel = p0; panel < p1; ++panel) {
     const int64_t j0 = panel * kNR, nr = std::min(kNR, nc - j0);
     float* d = dst + panel * kc * kNR;
-    if (!trans) {
+    if (!trans && nr == kNR) {
+      for (int64_t p = 0; p < kc; ++p) {
+        const float* src = b + (pc + p) * ldb + jc + j0;
+        for (int64_t v = 0; v < kNV; ++v)
+          simd::store(d + p * kNR + v * kW, simd::load(src + v * kW));
+      }
+    } else if (!trans) {
       for (int64_t p = 0; p < kc; ++p) {
         const float* src = b + (pc + p) * ldb + jc + j0;
         std::memcpy(d + p * kNR, src, static_cast<size_t>(nr) * sizeof(float));
@@ -163,46 +171,63 @@ void pack_a(const float* a, int64_t lda, bool trans, int64_t i0, int64_t mr, int
 }
 
 // Row tiles [t0, t1) of C for one packed block of B (k steps [pc, pc+kc),
-// columns [jc, jc+nc)).
-void compute_tiles(const float* a, const float* bp, float* c, int64_t m, int64_t pc, int64_t kc,
-                   int64_t jc, int64_t nc, const GemmArgs& g, int64_t lda, int64_t ldc, int64_t t0,
-                   int64_t t1) {
-  thread_local std::vector<float> a_buf(static_cast<size_t>(kKC * kMR));
-  float* ap = a_buf.data();
+// columns [jc, jc+nc)); ap holds the packed A panels of the tiles from t_base
+// on, kc x kMR floats each.
+void compute_tiles(const float* ap, int64_t t_base, const float* bp, float* c, int64_t m,
+                   int64_t pc, int64_t kc, int64_t jc, int64_t nc, const GemmArgs& g, int64_t ldc,
+                   int64_t t0, int64_t t1) {
   const bool first = pc == 0;
   const bool load_c = !first || g.beta != 0.0f;
   const float beta = first ? g.beta : 1.0f;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t i0 = t * kMR, mr = std::min(kMR, m - i0);
-    pack_a(a, lda, g.trans_a, i0, mr, pc, kc, ap);
+    const float* at = ap + (t - t_base) * kc * kMR;
     for (int64_t j0 = 0; j0 < nc; j0 += kNR) {
       const float* bpp = bp + (j0 / kNR) * kc * kNR;
       float* cc = c + i0 * ldc + jc + j0;
       const int64_t nr = std::min(kNR, nc - j0);
-      micro_kernel(kc, ap, bpp, cc, ldc, mr, nr, g.alpha, beta, load_c);
+      micro_kernel(kc, at, bpp, cc, ldc, mr, nr, g.alpha, beta, load_c);
     }
   }
 }
 
-// The f32 product of Note [CPU GEMM backend] (k > 0): per block of B, the
-// threads pack its micro-panels, then take row tiles of C.
+// The f32 product of Note [CPU GEMM backend] (k > 0). Per block of k steps,
+// the A panels of up to kMC rows are packed once (the threads share the
+// packing) and serve every block of columns; per block of B, the threads pack
+// its micro-panels, then take row tiles of C.
 void own_sgemm(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k,
                const GemmArgs& g, int64_t lda, int64_t ldb, int64_t ldc) {
+  // The caller's buffers; the workers read them within the call.
   thread_local std::vector<float> b_buf(static_cast<size_t>(kKC * kNC));
-  float* bp = b_buf.data();  // the caller's; the workers read it within the call
+  thread_local std::vector<float> a_buf;
+  float* bp = b_buf.data();
   const int64_t tiles = (m + kMR - 1) / kMR;
+  const int64_t mc_tiles = std::min(tiles, kMC / kMR);
+  if (a_buf.size() < static_cast<size_t>(mc_tiles * kMR * kKC)) {
+    a_buf.resize(static_cast<size_t>(mc_tiles * kMR * kKC));
+  }
+  float* ap = a_buf.data();
   const int64_t tile_grain =
       std::max<int64_t>(1, kParallelMacs / (kMR * std::min(n, kNC) * std::min(k, kKC)));
   for (int64_t pc = 0; pc < k; pc += kKC) {
     const int64_t kc = std::min(kKC, k - pc);
-    for (int64_t jc = 0; jc < n; jc += kNC) {
-      const int64_t nc = std::min(kNC, n - jc);
-      parallel_for((nc + kNR - 1) / kNR, 4, [&](int64_t p0, int64_t p1) {
-        pack_b(b, ldb, g.trans_b, pc, kc, jc, nc, p0, p1, bp);
+    for (int64_t tc = 0; tc < tiles; tc += mc_tiles) {
+      const int64_t tc_end = std::min(tiles, tc + mc_tiles);
+      parallel_for(tc_end - tc, 4, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = tc + t0; t < tc + t1; ++t) {
+          pack_a(a, lda, g.trans_a, t * kMR, std::min(kMR, m - t * kMR), pc, kc,
+                 ap + (t - tc) * kc * kMR);
+        }
       });
-      parallel_for(tiles, tile_grain, [&](int64_t t0, int64_t t1) {
-        compute_tiles(a, bp, c, m, pc, kc, jc, nc, g, lda, ldc, t0, t1);
-      });
+      for (int64_t jc = 0; jc < n; jc += kNC) {
+        const int64_t nc = std::min(kNC, n - jc);
+        parallel_for((nc + kNR - 1) / kNR, 4, [&](int64_t p0, int64_t p1) {
+          pack_b(b, ldb, g.trans_b, pc, kc, jc, nc, p0, p1, bp);
+        });
+        parallel_for(tc_end - tc, tile_grain, [&](int64_t t0, int64_t t1) {
+          compute_tiles(ap, tc, bp, c, m, pc, kc, jc, nc, g, ldc, tc + t0, tc + t1);
+        });
+      }
     }
   }
 }
