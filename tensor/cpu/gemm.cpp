@@ -12,28 +12,29 @@
 // panel it is handed. OpenBLAS 0.3.21 also does not know AMD Zen 4/5 and runs
 // its AVX2 kernel there. f64 (gradchecks) goes through cblas_dgemm.
 //
-// The kernel is the BLIS/GotoBLAS scheme for row-major C: for each block of
-// kKC steps of k and kNC columns, B is packed into kNR-column micro-panels
-// (kKC x kNC floats, meant to stay in L2); then for each kMR-row micro-panel
-// of A (packed, kMR x kKC floats, stays in L1), a kMR x kNR register
-// tile of C is computed per B micro-panel: each k step loads kNV B vectors,
-// broadcasts kMR A values and issues kMR * kNV FMAs. The tile is the largest
-// that leaves registers for the B vectors and one broadcast: 12 x 2 zmm (24
-// accumulators of 32 registers) on AVX-512, 6 x 2 ymm (12 of 16) on AVX2, 6 x
-// 2 xmm on SSE2. A's last rows are zero-padded in their panel, and the right
-// edge of C goes through a row buffer. k blocks after the first
-// accumulate into C (alpha applies to each block).
+// The kernel is the BLIS/GotoBLAS scheme for row-major C: for each block of kKC
+// steps of k, A is packed into kMR-row micro-panels (up to kMC rows at a time,
+// packed once for every block of columns); for each block of kNC columns, B is
+// packed into kNR-column micro-panels (kKC x kNC floats, meant to stay in L2);
+// then for each micro-panel of A (kMR x kKC floats, stays in L1), a kMR x kNR
+// register tile of C is computed per B micro-panel: each k step loads kNV B
+// vectors, broadcasts kMR A values and issues kMR * kNV FMAs. The tile is the
+// largest that leaves registers for the B vectors and one broadcast: 12 x 2 zmm
+// (24 accumulators of 32 registers) on AVX-512, 6 x 2 ymm (12 of 16) on AVX2, 6
+// x 2 xmm on SSE2. A's last rows are zero-padded in their panel, and the right
+// edge of C goes through a row buffer. k blocks after the first accumulate into
+// C (alpha applies to each block).
 //
-// The promise, on every target: every element of C is the sum over its k
-// blocks in block order, each block's terms accumulated in k order into one
-// lane, whichever thread computes its tile and whether the product is alone
-// or an item of a batch. So an f32 product has the same bits at any thread
-// count, batched or not (tests/tensor/test_matmul.cpp checks both). Threads
-// (Note [CPU kernel threads]) share the packing of each block of B and then
-// take row tiles of C; a batch is split by item. f64 products through BLAS
-// are split into panels of C rows (or columns, when C is wider than tall),
-// each computed single-threaded by one chunk whose blocking depends on the
-// panel: the same bits at a given thread count, not across thread counts.
+// The promise, on every target: every element of C is the sum over its k blocks
+// in block order, each block's terms accumulated in k order into one lane,
+// whichever thread computes its tile and whether the product is alone or an
+// item of a batch. So an f32 product has the same bits at any thread count,
+// batched or not (tests/tensor/test_matmul.cpp checks both). Threads (Note [CPU
+// kernel threads]) share the packing of each block of A and of B and then take
+// row tiles of C; a batch is split by item. f64 products through BLAS are split
+// into panels of C rows (or columns, when C is wider than tall), each computed
+// single-threaded by one chunk whose blocking depends on the panel: the same
+// bits at a given thread count, not across thread counts.
 #include <cblas.h>
 
 #include <algorithm>
