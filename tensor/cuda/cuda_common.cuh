@@ -172,6 +172,12 @@ __device__ __forceinline__ float d_tanh(float x) {
 __device__ __forceinline__ double d_tanh(double x) {
   return tanh(x);
 }
+__device__ __forceinline__ float d_erf(float x) {
+  return erff(x);
+}
+__device__ __forceinline__ double d_erf(double x) {
+  return erf(x);
+}
 __device__ __forceinline__ float d_pow(float x, float y) {
   return powf(x, y);
 }
