@@ -143,6 +143,12 @@ template <class A>
 class PairwiseColumns {
  public:
   explicit PairwiseColumns(int64_t width) : width_(width) {}
+  // Empties the sum for `width` columns (keeps the memory).
+  void reset(int64_t width) {
+    width_ = width;
+    top_ = 0;
+    count_ = 0;
+  }
   void add(const A* terms) {
     if (static_cast<int64_t>(stack_.size()) < (top_ + 1) * width_) {
       stack_.resize(static_cast<size_t>((top_ + 1) * width_));

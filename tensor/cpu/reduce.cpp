@@ -77,24 +77,29 @@ void sum_columns(const T* x, int64_t outer, int64_t r, int64_t inner, T* y, A sc
   const int64_t tasks = outer * groups * chunks;
   const int64_t task_elements = std::min(r, group_rows) * std::min(inner, kColumnChunk);
   parallel_for(tasks, grain_for(task_elements), [&](int64_t t0, int64_t t1) {
-    std::vector<A> acc(static_cast<size_t>(kColumnChunk));
+    std::vector<A> block(static_cast<size_t>(kColumnChunk));
+    PairwiseColumns<A> sum(kColumnChunk);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t c = t % chunks, og = t / chunks;
       const int64_t o = og / groups, g = og % groups;
       const int64_t c0 = c * kColumnChunk, width = std::min(kColumnChunk, inner - c0);
       const int64_t row0 = g * group_rows, row1 = std::min(r, row0 + group_rows);
-      PairwiseColumns<A> sum(width);
-      for (int64_t b = row0; b < row1; b += kRowBlock) {
-        std::fill(acc.begin(), acc.begin() + width, A(0));
+      A* out = partial.data() + og * inner + c0;
+      // A group of one block (short columns) is its block's sum itself.
+      const bool one_block = row1 - row0 <= kRowBlock;
+      A* acc = one_block ? out : block.data();
+      sum.reset(width);
+      for (int64_t b = row0; b < row1 || b == row0; b += kRowBlock) {
+        std::fill(acc, acc + width, A(0));
         const int64_t b1 = std::min(row1, b + kRowBlock);
         for (int64_t j = b; j < b1; ++j) {
           const T* row = x + (o * r + j) * inner + c0;
           for (int64_t i = 0; i < width; ++i)
             acc[i] += load<T, A>(row, i);
         }
-        sum.add(acc.data());
+        if (!one_block) sum.add(acc);
       }
-      sum.total(partial.data() + og * inner + c0);
+      if (!one_block) sum.total(out);
     }
   });
   std::vector<A> total(static_cast<size_t>(inner));
