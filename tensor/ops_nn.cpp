@@ -428,6 +428,13 @@ Tensor one_hot(const Tensor& indices, int64_t num_classes) {
 // ---- losses and attention ----
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
+  CrossEntropyOptions options;
+  options.ignore_index = ignore_index;
+  return cross_entropy(logits, targets, options);
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets,
+                     const CrossEntropyOptions& options) {
   check_defined(logits, "cross_entropy", "logits");
   check_defined(targets, "cross_entropy", "targets");
   TANDEM_CHECK(logits.dim() == 2,
@@ -442,17 +449,29 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
                "[tensor::cross_entropy] expected i64 or i32 targets, got {}",
                dtype_name(targets.dtype()));
   check_same_device(logits, targets, "cross_entropy", "logits", "targets");
+  const double eps = options.label_smoothing;
+  TANDEM_CHECK(eps >= 0.0 && eps <= 1.0,
+               "[tensor::cross_entropy] expected label_smoothing in [0, 1], got {}", eps);
   // Accumulate in f32 (f64 for f64 logits); only the N picked values are cast.
   const DType acc = logits.dtype() == DType::F64 ? DType::F64 : DType::F32;
   const Tensor t64 = cast_if_needed(targets, DType::I64);
-  const Tensor valid = ne(t64, static_cast<double>(ignore_index));
+  const Tensor valid = ne(t64, static_cast<double>(options.ignore_index));
   // Ignored targets may hold any value (e.g. -100): read class 0 there instead
   // and drop it with the mask, so gather's range check sees only real classes.
   const Tensor safe = where(valid, t64, zeros_like(t64));
   const Tensor logp = log_softmax(logits, 1);
-  const Tensor picked = cast_if_needed(squeeze(gather(logp, 1, unsqueeze(safe, 1)), 1), acc);
-  // where, not a multiply by the mask: an ignored row's class 0 may be -inf.
-  const Tensor total = sum(where(valid, neg(picked), 0.0));
+  Tensor row = neg(cast_if_needed(squeeze(gather(logp, 1, unsqueeze(safe, 1)), 1), acc));
+  if (eps > 0.0) {
+    // The smoothing term: the mean over classes of -logp (a uniform target).
+    const Tensor uniform =
+        div(neg(sum(cast_if_needed(logp, acc), {1})), static_cast<double>(logits.size(1)));
+    row = add(mul(row, 1.0 - eps), mul(uniform, eps));
+  }
+  // where, not a multiply by the mask: an ignored row's terms may be -inf.
+  const Tensor per_row = where(valid, row, 0.0);
+  if (options.reduction == Reduction::None) return per_row;
+  const Tensor total = sum(per_row);
+  if (options.reduction == Reduction::Sum) return total;
   const Tensor count = sum(to(valid, acc));
   // No valid target: total is 0, and dividing by max(count, 1) returns 0, not NaN.
   return div(total, maximum(count, ones_like(count)));
