@@ -154,7 +154,8 @@ std::pair<Tensor, Tensor> topk(const Tensor& t, int64_t k, int64_t dim = -1, boo
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets,
                      const CrossEntropyOptions& options);
-// Differentiable in q, k, v (the lse output is not).
+// Differentiable in q, k, v (the lse output is not). Rows that see no key
+// give 0 and zero gradients, not PyTorch's NaN (tensor/ops.h says why).
 AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const AttentionOptions& options = {});
 

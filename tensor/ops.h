@@ -201,6 +201,10 @@ Tensor operator/(const Tensor& a, double s);
 Tensor operator-(const Tensor& a);
 
 // ---- reductions over dims (empty dims = all) ----
+// Floating sums (sum, mean, cumsum, the softmax denominators) add in one
+// fixed blocked, pairwise order (Note [Cascade summation] in
+// tensor/cpu/cascade.h): the rounding error grows like log n, not n, and the
+// bits are the same at any number of CPU kernel threads.
 Tensor sum(const Tensor& t, const Dims& dims = {}, bool keepdim = false);
 Tensor mean(const Tensor& t, const Dims& dims = {}, bool keepdim = false);
 Tensor amax(const Tensor& t, const Dims& dims = {}, bool keepdim = false);
@@ -210,6 +214,8 @@ std::pair<Tensor, Tensor> max(const Tensor& t, int64_t dim, bool keepdim = false
 Tensor argmax(const Tensor& t, int64_t dim, bool keepdim = false);
 Tensor argmin(const Tensor& t, int64_t dim, bool keepdim = false);
 Tensor cumsum(const Tensor& t, int64_t dim);
+// A line whose elements are all -inf gives zeros, where PyTorch gives NaN:
+// on purpose, like attention rows that see no key (a fully masked row).
 Tensor softmax(const Tensor& t, int64_t dim = -1);
 Tensor log_softmax(const Tensor& t, int64_t dim = -1);
 
