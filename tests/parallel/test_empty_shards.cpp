@@ -1,6 +1,6 @@
 // Empty shards in the parallel layers: chunk semantics give the last ranks
-// nothing when a sequence is shorter than cp (context parallel) or a feature
-// dim has fewer chunks than tp (tensor parallel). Those ranks must still run
+// nothing when a sequence is shorter than cp (context parallel; tensor
+// parallel's cases are in test_tensor_parallel.cpp). Those ranks must still run
 // every collective and give the single-rank results: the non-empty shards of
 // the output and of the gradients, and empty (or zero) ones where they hold
 // nothing. Plus the DTensor and context-parallel friction fixes that came
@@ -10,12 +10,10 @@
 #include <cmath>
 
 #include "autograd/nn/attention.h"
-#include "autograd/nn/transformer.h"
 #include "autograd/ops.h"
 #include "comm/threads/threads_backend.h"
 #include "parallel/context_parallel.h"
 #include "parallel/dtensor_ops.h"
-#include "parallel/tensor_parallel.h"
 #include "tests/support/rank_checks.h"
 
 using namespace tandem;
@@ -129,112 +127,6 @@ TEST_CASE("context parallel SelfAttention with ranks that hold no token", "[cp][
       for (bool causal : {true, false})
         check_cp(c, causal);
     }
-  }
-}
-
-namespace {
-
-// The local shard of a reference gradient under the style that owns `name`.
-Tensor expected_local_grad(const std::string& name, const Tensor& full, const DeviceMesh& mesh) {
-  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
-  if (has("q_proj") || has("k_proj") || has("v_proj") || has("w1") || has("w3")) {
-    return DTensor::distribute(full, mesh, {Shard(0)}).to_local();
-  }
-  if (has("o_proj") || has("w2")) return DTensor::distribute(full, mesh, {Shard(1)}).to_local();
-  return full;
-}
-
-}  // namespace
-
-TEST_CASE("tensor parallel with fewer feature chunks than ranks", "[tp][empty]") {
-  // MLP hidden 5 and 6 on tp=4 give the last rank an empty shard of w1/w3
-  // (Colwise) and w2 (Rowwise); hidden 3 gives it nothing at all.
-  for (int64_t hidden : {5, 6, 3}) {
-    SECTION("hidden " + std::to_string(hidden)) {
-      nn::TransformerBlockConfig cfg;
-      cfg.d_model = 16;
-      cfg.n_heads = 4;
-      cfg.n_kv_heads = 4;
-      cfg.hidden = hidden;
-      Generator data(7);
-      Tensor x = ops::randn({2, 5, 16}, data);
-      Generator init(1);
-      auto ref = std::make_shared<nn::TransformerBlock>(cfg, init);
-      Tensor xr = ops::clone(x);
-      set_requires_grad(xr);
-      Tensor yr = ref->call(Args{xr})[0];
-      backward(sum(mul(yr, yr)));
-      auto ref_params = ref->named_parameters();
-
-      tandem::testing::RankChecks rc;
-      run_ranks(4, [&](ProcessGroupPtr pg) {
-        DeviceMesh mesh(pg, {4}, {"tp"});
-        Generator g(1);
-        auto block = std::make_shared<nn::TransformerBlock>(cfg, g);
-        parallelize_module(block, mesh,
-                           {{"attn.q_proj", colwise()},
-                            {"attn.k_proj", colwise()},
-                            {"attn.v_proj", colwise()},
-                            {"attn.o_proj", rowwise()},
-                            {"mlp.w1", colwise()},
-                            {"mlp.w3", colwise()},
-                            {"mlp.w2", rowwise()}});
-        if (pg->rank() == 3) RANK_CHECK(rc, block->mlp()->w1()->weight().shape()[0] == 0);
-        Tensor xl = ops::clone(x);
-        set_requires_grad(xl);
-        Tensor y = block->call(Args{xl})[0];
-        backward(sum(mul(y, y)));
-        RANK_CHECK(rc, close(y, yr));
-        RANK_CHECK(rc, close(grad(xl), grad(xr)));
-        auto params = block->named_parameters();
-        for (size_t i = 0; i < params.size(); ++i) {
-          Tensor want = expected_local_grad(params[i].first, grad(ref_params[i].second), mesh);
-          Tensor got = grad(params[i].second);
-          RANK_CHECK(rc, got.defined() && close(got, want));
-        }
-      });
-      rc.report();
-    }
-  }
-}
-
-TEST_CASE("column- then row-parallel linears with biases and an empty shard", "[tp][empty]") {
-  for (int64_t hidden : {5, 6}) {
-    INFO("hidden " << hidden);
-    Generator data(3);
-    Tensor x = ops::randn({2, 3, 6}, data);
-    Generator init(5);
-    auto a = std::make_shared<nn::Linear>(6, hidden, init, true);
-    auto b = std::make_shared<nn::Linear>(hidden, 6, init, true);
-    Tensor xr = ops::clone(x);
-    set_requires_grad(xr);
-    Tensor yr = (*b)((*a)(xr));
-    backward(sum(mul(yr, yr)));
-    tandem::testing::RankChecks rc;
-    run_ranks(4, [&](ProcessGroupPtr pg) {
-      DeviceMesh mesh(pg, {4}, {"tp"});
-      Generator g(5);
-      auto la = std::make_shared<nn::Linear>(6, hidden, g, true);
-      auto lb = std::make_shared<nn::Linear>(hidden, 6, g, true);
-      colwise()->apply(*la, mesh);
-      rowwise()->apply(*lb, mesh);
-      Tensor xl = ops::clone(x);
-      set_requires_grad(xl);
-      Tensor h = (*la)(xl);
-      if (pg->rank() == 3) RANK_CHECK(rc, h.shape() == Shape{2, 3, 0});
-      Tensor y = (*lb)(h);
-      backward(sum(mul(y, y)));
-      RANK_CHECK(rc, close(y, yr));
-      RANK_CHECK(rc, close(grad(xl), grad(xr)));
-      RANK_CHECK(rc, close(grad(la->weight()),
-                           DTensor::distribute(grad(a->weight()), mesh, {Shard(0)}).to_local()));
-      RANK_CHECK(rc, close(grad(la->bias()),
-                           DTensor::distribute(grad(a->bias()), mesh, {Shard(0)}).to_local()));
-      RANK_CHECK(rc, close(grad(lb->weight()),
-                           DTensor::distribute(grad(b->weight()), mesh, {Shard(1)}).to_local()));
-      RANK_CHECK(rc, close(grad(lb->bias()), grad(b->bias())));
-    });
-    rc.report();
   }
 }
 
