@@ -31,11 +31,12 @@ install_missing() {
   fi
 }
 
+# Builds the ninja targets "$@" (everything when none are named).
 configure_and_build() {
   if [[ ! -f "$build/build.ninja" ]]; then
     meson setup "$build" "$root" ${TANDEM_MESON_ARGS:-}
   fi
-  ninja -C "$build" -j "$jobs"
+  ninja -C "$build" -j "$jobs" "$@"
 }
 
 # Test cases the sanitizer stages leave out: the train suite's soak (3,000
@@ -267,7 +268,7 @@ run_tests() {
 case "${1:-}" in
   demo)
     install_missing
-    configure_and_build
+    configure_and_build tools/tandem-train  # the demo needs no test binary
     shift
     exec "$build/tools/tandem-train" "$@"
     ;;
