@@ -201,7 +201,7 @@ def main():
         "torch_version": torch.__version__,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
         "blas_threads": "torch.set_num_threads",
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_capability": getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")(),
         "attention": "F.scaled_dot_product_attention(is_causal=True)",
     }
     torch.set_num_threads(1)
