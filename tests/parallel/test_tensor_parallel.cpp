@@ -33,6 +33,24 @@ Tensor expected_local_grad(const std::string& name, const Tensor& full, const De
   return full;
 }
 
+// The single-rank reference: one block (seed 1) on a copy of x, forward and
+// backward of sum(y^2); its output, input gradient and parameters.
+struct ReferenceStep {
+  Tensor xr, yr;
+  std::vector<std::pair<std::string, Tensor>> params;
+};
+ReferenceStep reference_step(const nn::TransformerBlockConfig& cfg, const Tensor& x) {
+  Generator init(1);
+  auto ref = std::make_shared<nn::TransformerBlock>(cfg, init);
+  ReferenceStep r;
+  r.xr = ops::clone(x);
+  set_requires_grad(r.xr);
+  r.yr = ref->call(Args{r.xr})[0];
+  backward(sum(mul(r.yr, r.yr)));
+  r.params = ref->named_parameters();
+  return r;
+}
+
 }  // namespace
 
 TEST_CASE("tensor-parallel transformer block equals the single-rank block", "[tp]") {
@@ -46,13 +64,9 @@ TEST_CASE("tensor-parallel transformer block equals the single-rank block", "[tp
     cfg.norm = norm;
     Generator data(7);
     Tensor x = ops::randn({2, 8, 32}, data);
-    Generator init(1);
-    auto ref = std::make_shared<nn::TransformerBlock>(cfg, init);
-    Tensor xr = ops::clone(x);
-    set_requires_grad(xr);
-    Tensor yr = ref->call(Args{xr})[0];
-    backward(sum(mul(yr, yr)));
-    auto ref_params = ref->named_parameters();
+    const ReferenceStep ref = reference_step(cfg, x);
+    const Tensor &xr = ref.xr, &yr = ref.yr;
+    const auto& ref_params = ref.params;
 
     for (int tp : {2, 4}) {
       SECTION("tp=" + std::to_string(tp) + (norm == nn::NormKind::Layer ? " layer" : " rms")) {
@@ -262,27 +276,16 @@ TEST_CASE("tensor parallel with fewer feature chunks than ranks", "[tp][empty]")
       cfg.hidden = hidden;
       Generator data(7);
       Tensor x = ops::randn({2, 5, 16}, data);
-      Generator init(1);
-      auto ref = std::make_shared<nn::TransformerBlock>(cfg, init);
-      Tensor xr = ops::clone(x);
-      set_requires_grad(xr);
-      Tensor yr = ref->call(Args{xr})[0];
-      backward(sum(mul(yr, yr)));
-      auto ref_params = ref->named_parameters();
+      const ReferenceStep ref = reference_step(cfg, x);
+      const Tensor &xr = ref.xr, &yr = ref.yr;
+      const auto& ref_params = ref.params;
 
       tandem::testing::RankChecks rc;
       run_ranks(4, [&](ProcessGroupPtr pg) {
         DeviceMesh mesh(pg, {4}, {"tp"});
         Generator g(1);
         auto block = std::make_shared<nn::TransformerBlock>(cfg, g);
-        parallelize_module(block, mesh,
-                           {{"attn.q_proj", colwise()},
-                            {"attn.k_proj", colwise()},
-                            {"attn.v_proj", colwise()},
-                            {"attn.o_proj", rowwise()},
-                            {"mlp.w1", colwise()},
-                            {"mlp.w3", colwise()},
-                            {"mlp.w2", rowwise()}});
+        parallelize_module(block, mesh, megatron_plan());
         if (pg->rank() == 3) RANK_CHECK(rc, block->mlp()->w1()->weight().shape()[0] == 0);
         Tensor xl = ops::clone(x);
         set_requires_grad(xl);
