@@ -576,13 +576,18 @@ void run_ranks(int world_size, const std::function<void(ProcessGroupPtr)>& fn,
   std::mutex mu;
   std::exception_ptr first, first_root_cause;
   std::vector<std::thread> threads;
+  // Tensors the caller made before this call, and those the ranks leave for
+  // it, cross threads (Note [Thread hand-off]).
+  const HandOff handed;
   for (int r = 0; r < world_size; ++r) {
     threads.emplace_back([&, r] {
       set_log_context(LogContext{r, world_size});
       set_thread_name(fmt::format("rank {}", r));
       try {
+        handed.wait();
         auto group = std::make_shared<ThreadsProcessGroup>(world, "world", r, ranks, options);
         fn(group);
+        current_stream(Device::cpu()).synchronize();
         group.reset();  // drains this rank's pending collectives
         world->rank_exited(r);
       } catch (const std::exception& e) {

@@ -26,7 +26,9 @@ namespace tandem {
 class ThreadsWorld;
 
 // Starts `world_size` rank threads, gives each its world group (threads
-// backend), runs fn on each, joins them all and rethrows the first failure
+// backend), runs fn on each (after the caller's stream, and synchronising the
+// rank's stream at its end: Note [Thread hand-off]), joins them all and
+// rethrows the first failure
 // (the root cause: a rank's own error rather than the "aborted by rank r"
 // errors it induced in its peers). A rank that throws aborts the world so
 // its peers fail promptly instead of waiting for the timeout.

@@ -1,6 +1,7 @@
 // How the threads backend's collectives behave beyond their values (Note
 // [Threads rounds]): Work (waits, completion, results, async streams),
-// more collectives in flight than the ring holds, outputs that reuse their
+// run_ranks' hand-off of tensors to and from the rank threads (Note [Thread
+// hand-off]), more collectives in flight than the ring holds, outputs that reuse their
 // rank's block, reductions that give every rank the same bits, pieces copied
 // in parts and all_reduces split across ranks. Rank functions record
 // failures in a Failures list (collective_values.h).
@@ -47,6 +48,67 @@ TEST_CASE("Work::wait orders later ops of an async CPU stream after the collecti
     stream.synchronize();
   });
   REQUIRE_NO_FAILURES(failures);
+}
+
+// Note [Thread hand-off]: the rank threads read what the caller's stream
+// still had to write when run_ranks() was called. The write is held by a
+// gate that a helper opens once the ranks have read, or after 200 ms when
+// they are (rightly) held back: a bound that could only hide the bug.
+TEST_CASE("run_ranks: ranks start after what the caller's stream had queued", "[collectives]") {
+  const int world = 3;
+  Stream caller = Stream::create(Device::cpu(), CpuStreamMode::Async, "caller");
+  test::Gate gate;  // after the stream: opened before it is joined
+  StreamGuard guard(caller);
+  Tensor x = ops::full({16}, 1.0);
+  caller.enqueue(gate.waiter());
+  ops::fill_(x, 7.0);
+  std::atomic<int> read{0};
+  std::atomic<bool> early{false};
+  std::thread opener([&] {
+    for (int i = 0; i < 200 && read.load() < world; ++i)
+      test::sleep_ms(1);
+    early = read.load() > 0;
+    gate.open();
+  });
+  Failures failures;
+  std::string error;
+  try {
+    run_ranks(world, [&](ProcessGroupPtr pg) {
+      std::vector<float> seen = ops::mul(x, 1.0).to_vector<float>();
+      ++read;
+      if (seen != std::vector<float>(16, 7.0f))
+        failures.add(
+            fmt::format("rank {}: read x before the caller's stream wrote it", pg->rank()));
+    });
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  opener.join();
+  INFO(error);
+  REQUIRE(error.empty());
+  CHECK_FALSE(early);
+  REQUIRE_NO_FAILURES(failures);
+}
+
+// Note [Thread hand-off], the join: a rank's stream is synchronised before
+// the rank ends, so an error still queued there fails run_ranks() instead of
+// vanishing with the rank's thread.
+TEST_CASE("run_ranks: an error left on a rank's stream reaches the caller", "[collectives]") {
+  const CpuStreamMode saved = default_cpu_stream_mode();
+  set_default_cpu_stream_mode(CpuStreamMode::Async);  // the rank threads' default streams
+  auto body = [](ProcessGroupPtr pg) {
+    current_stream(Device::cpu()).enqueue([rank = pg->rank()] {
+      if (rank == 1) throw Error("[test::rank] expected success, got a late failure");
+    });
+  };
+  std::string error;
+  try {
+    run_ranks(2, body);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  set_default_cpu_stream_mode(saved);
+  REQUIRE_THAT(error, Catch::Contains("a late failure"));
 }
 
 TEST_CASE("Work: completion and result", "[collectives]") {
