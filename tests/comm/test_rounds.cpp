@@ -1,7 +1,8 @@
 // How the threads backend's collectives behave beyond their values (Note
 // [Threads rounds]): Work (waits, completion, results, async streams),
 // run_ranks' hand-off of tensors to and from the rank threads (Note [Thread
-// hand-off]), more collectives in flight than the ring holds, outputs that reuse their
+// hand-off]), groups dropped while a wait on them is queued on a stream,
+// more collectives in flight than the ring holds, outputs that reuse their
 // rank's block, reductions that give every rank the same bits, pieces copied
 // in parts and all_reduces split across ranks. Rank functions record
 // failures in a Failures list (collective_values.h).
@@ -109,6 +110,51 @@ TEST_CASE("run_ranks: an error left on a rank's stream reaches the caller", "[co
   }
   set_default_cpu_stream_mode(saved);
   REQUIRE_THAT(error, Catch::Contains("a late failure"));
+}
+
+// Note [Threads group lifetime]: a rank drops a group while a wait on it
+// still runs on an async stream, with a later launch on that group whose
+// input waits behind that wait on the same stream. The group must not end
+// on the stream's thread (it would wait for its comm thread, which waits for
+// that stream). Rank 0 lets its wait start before it drops the group, and
+// rank 1 posts only afterwards, so the wait is the last to let go if it
+// owns the group; a deadlock shows as a timeout.
+TEST_CASE("a group dropped while a wait on it runs on an async stream ends cleanly",
+          "[collectives]") {
+  test::ScopedWaitTimeout bound(std::chrono::seconds(10));
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    std::atomic<bool> dropping{false};
+    run_ranks(2, [&](ProcessGroupPtr pg) {
+      ProcessGroupPtr sub = pg->split({0, 1}, "dropped");
+      Tensor x = ops::full({4}, 1.0);
+      if (pg->rank() == 1) {
+        for (int i = 0; i < 10000 && !dropping; ++i)
+          test::sleep_ms(1);
+        test::sleep_ms(20);  // rank 0 drops its group meanwhile
+        WorkPtr a = sub->all_reduce(x), b = sub->all_reduce(x);
+        a->synchronize();
+        b->synchronize();
+        return;
+      }
+      Stream stream = Stream::create(Device::cpu(), CpuStreamMode::Async);
+      StreamGuard guard(stream);
+      x = ops::full({4}, 1.0);
+      stream.synchronize();
+      WorkPtr a = sub->all_reduce(x);
+      std::atomic<bool> reached{false};
+      stream.enqueue([&reached] { reached = true; });
+      a->wait();                       // next on the stream: drives round 0
+      WorkPtr b = sub->all_reduce(x);  // its input is ready behind that wait
+      for (int i = 0; i < 10000 && !reached; ++i)
+        test::sleep_ms(1);
+      test::sleep_ms(5);  // the wait has started
+      dropping = true;
+      sub.reset();
+      a.reset();
+      b.reset();
+      stream.synchronize();
+    });
+  }
 }
 
 TEST_CASE("Work: completion and result", "[collectives]") {
