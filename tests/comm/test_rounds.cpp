@@ -277,13 +277,17 @@ TEST_CASE("more collectives in flight than the ring holds", "[collectives]") {
 // before it releases the ranks, so a rank frees its own output before it
 // allocates the next, and the allocator hands a thread back its own block
 // (Note [Allocator thread affinity]). A cycle through more blocks than ranks
-// would push a loop's working set out of the cache.
+// would push a loop's working set out of the cache. The input is ready
+// first: on an async stream (TANDEM_CPU_STREAMS=async) a launch whose input
+// is still queued is posted by the comm thread, and a Work that its waiter
+// does not drive may lose its last reference on another thread.
 TEST_CASE("a rank's outputs in a synchronous loop reuse one block", "[collectives]") {
   for (int world : {2, 4}) {
     Failures failures;
     run_ranks(world, [&](ProcessGroupPtr pg) {
       const int rank = pg->rank();
       Tensor x = ops::full({262144}, rank);  // 1 MiB: outputs of `world` MiB
+      current_stream().synchronize();
       std::vector<const void*> blocks;
       for (int i = 0; i < 40; ++i) {
         WorkPtr w = pg->all_gather(x);
