@@ -111,6 +111,31 @@ run_asan() {
   return $failed
 }
 
+# The whole suite a second time from the normal build with every thread's
+# default CPU stream asynchronous (TANDEM_CPU_STREAMS=async; the workers'
+# streams follow), so that an op that reads before its producer ran, or a
+# tensor handed to another thread without an event, shows up as a wrong
+# result or an error (README, "Streams and events"). Reports go to
+# $build/tests/junit-async-<suite>.xml. TANDEM_SKIP_ASYNC=1 skips it.
+async_suites=(runtime tensor autograd comm parallel train tools)
+run_async() {
+  rm -f "$build"/tests/junit-async-*.xml
+  local failed=0
+  for s in "${async_suites[@]}"; do
+    echo "tandem: async CPU streams: $s"
+    local log="$build/tests/async-$s.log"
+    if ! TANDEM_CPU_STREAMS=async TANDEM_WAIT_TIMEOUT_S=300 "$build/tests/tandem-tests-$s" \
+        $(suite_filter "$s") --use-colour no -r junit -o "$build/tests/junit-async-$s.xml" \
+        >"$log" 2>&1; then
+      echo "tandem: the async-stream run of $s failed (log: $log):"
+      grep -m 10 -A 4 -E "<(failure|error)" "$build/tests/junit-async-$s.xml" 2>/dev/null ||
+        tail -20 "$log"
+      failed=$((failed + 1))
+    fi
+  done
+  return $failed
+}
+
 # libFuzzer targets (tools/fuzz, built with clang++ in their own directory),
 # each run for TANDEM_FUZZ_SECONDS (default 20) from its seed corpus; what the
 # run adds goes to $fuzz_build/corpus/<fuzzer>, emptied first so that every
@@ -192,6 +217,12 @@ run_tests() {
   local status=0 extra_failed=0 failed=0
   timed tests meson test --no-rebuild --print-errorlogs --num-processes 1 || status=$?
   local reports=(tests/junit-*.xml)
+  if [[ "${TANDEM_SKIP_ASYNC:-0}" != 1 ]]; then
+    failed=0
+    timed async run_async || failed=$?
+    extra_failed=$((extra_failed + failed))
+    reports+=("$build"/tests/junit-async-*.xml)
+  fi
   if [[ "${TANDEM_SKIP_TSAN:-0}" != 1 ]]; then
     failed=0
     timed tsan run_tsan || failed=$?
