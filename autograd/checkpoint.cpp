@@ -7,9 +7,30 @@
 namespace tandem {
 namespace {
 
+// Note [Random draws under checkpoint]: the checkpoints active on this
+// thread, innermost last; each either logs its forward's draws or replays
+// them during its re-run.
+struct DrawFrame {
+  std::vector<RandomDraw>* log;
+  bool replay;
+  size_t next = 0;
+};
+thread_local std::vector<DrawFrame> draw_frames;
+
+class DrawScope {
+ public:
+  DrawScope(std::vector<RandomDraw>* log, bool replay) {
+    draw_frames.push_back(DrawFrame{log, replay});
+  }
+  ~DrawScope() { draw_frames.pop_back(); }
+  DrawScope(const DrawScope&) = delete;
+  DrawScope& operator=(const DrawScope&) = delete;
+};
+
 struct CheckpointFunction final : Function {
   CheckpointFn fn;
-  std::vector<Tensor> inputs;  // detached; re-run in backward
+  std::vector<Tensor> inputs;     // detached; re-run in backward
+  std::vector<RandomDraw> draws;  // made by the forward, replayed by the re-run
 
   const char* name() const override { return "CheckpointBackward"; }
   bool always_record() const override { return true; }
@@ -18,6 +39,7 @@ struct CheckpointFunction final : Function {
   std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
     for (const Tensor& t : in)
       inputs.push_back(detach(t));
+    DrawScope scope(&draws, false);
     return fn(in);
   }
 
@@ -32,7 +54,12 @@ struct CheckpointFunction final : Function {
     {
       RecomputeGuard recompute;
       EnableGradGuard enable;
+      DrawScope scope(&draws, true);
       outs = fn(leaves);
+      TANDEM_CHECK(draw_frames.back().next == draws.size(),
+                   "[autograd::checkpoint] expected the re-run to make the forward's {} random "
+                   "draw(s), got {}",
+                   draws.size(), draw_frames.back().next);
     }
     std::vector<Tensor> roots, seeds;
     for (size_t i = 0; i < outs.size() && i < grads.size(); ++i) {
@@ -47,11 +74,45 @@ struct CheckpointFunction final : Function {
       result.push_back(ctx.needs_input_grad[i] ? tandem::grad(leaves[i]) : Tensor());
     }
     inputs.clear();
+    draws.clear();
     return result;
   }
 };
 
 }  // namespace
+
+RandomDraw draw_random(Generator& gen, uint64_t n) {
+  // The innermost replaying checkpoint, if any, supplies the draw; the
+  // logging checkpoints inside it record it.
+  int replay = -1;
+  for (int i = static_cast<int>(draw_frames.size()) - 1; i >= 0; --i) {
+    if (draw_frames[i].replay) {
+      replay = i;
+      break;
+    }
+  }
+  RandomDraw d;
+  if (replay >= 0) {
+    DrawFrame& f = draw_frames[replay];
+    TANDEM_CHECK(f.next < f.log->size(),
+                 "[autograd::checkpoint] expected the re-run to make the forward's {} random "
+                 "draw(s), got more",
+                 f.log->size());
+    d = (*f.log)[f.next++];
+    TANDEM_CHECK(d.count == n,
+                 "[autograd::checkpoint] expected the re-run's random draw {} to take {} numbers "
+                 "as in the forward, got {}",
+                 f.next - 1, d.count, n);
+  } else {
+    d.seed = gen.seed();
+    d.offset = gen.advance(n);
+    d.count = n;
+  }
+  for (size_t i = static_cast<size_t>(replay + 1); i < draw_frames.size(); ++i) {
+    if (!draw_frames[i].replay) draw_frames[i].log->push_back(d);
+  }
+  return d;
+}
 
 // The flag is runtime's (Note [Recompute flag]), so the HookCoordinator sees re-runs.
 bool is_recomputing() {

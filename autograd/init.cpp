@@ -41,23 +41,27 @@ Tensor normal(const Shape& shape, double mean, double stddev, Generator& gen) {
 }
 
 Tensor kaiming_uniform(const Shape& shape, Generator& gen, double a) {
+  if (shape.numel() == 0) return ops::zeros(shape);  // nothing to draw
   const Fans f = checked_fans(shape, "kaiming_uniform");
   const double bound = leaky_relu_gain(a) * std::sqrt(3.0 / static_cast<double>(f.fan_in));
   return uniform(shape, -bound, bound, gen);
 }
 
 Tensor kaiming_normal(const Shape& shape, Generator& gen, double a) {
+  if (shape.numel() == 0) return ops::zeros(shape);  // nothing to draw
   const Fans f = checked_fans(shape, "kaiming_normal");
   return normal(shape, 0.0, leaky_relu_gain(a) / std::sqrt(static_cast<double>(f.fan_in)), gen);
 }
 
 Tensor xavier_uniform(const Shape& shape, Generator& gen, double gain) {
+  if (shape.numel() == 0) return ops::zeros(shape);  // nothing to draw
   const Fans f = checked_fans(shape, "xavier_uniform");
   const double bound = gain * std::sqrt(6.0 / static_cast<double>(f.fan_in + f.fan_out));
   return uniform(shape, -bound, bound, gen);
 }
 
 Tensor xavier_normal(const Shape& shape, Generator& gen, double gain) {
+  if (shape.numel() == 0) return ops::zeros(shape);  // nothing to draw
   const Fans f = checked_fans(shape, "xavier_normal");
   return normal(shape, 0.0, gain * std::sqrt(2.0 / static_cast<double>(f.fan_in + f.fan_out)), gen);
 }

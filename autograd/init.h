@@ -6,7 +6,9 @@
 //
 // Fans follow torch.nn.init: for a weight of shape (out, in, *k),
 // fan_in = in * prod(k) and fan_out = out * prod(k); a 1-D shape has
-// fan_in = fan_out = its length.
+// fan_in = fan_out = its length. As in torch.nn.init, a shape with no
+// elements is a no-op: the fan-based helpers return it empty, draw nothing
+// and check no fans.
 #pragma once
 
 #include <cstdint>

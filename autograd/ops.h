@@ -60,8 +60,17 @@ Tensor abs(const Tensor& a);
 Tensor tanh(const Tensor& a);
 Tensor sigmoid(const Tensor& a);
 Tensor relu(const Tensor& a);
-Tensor gelu(const Tensor& a);
+// approximate: Tanh (the default here, unlike PyTorch) or None (exact, erf);
+// tensor/ops.h says why.
+Tensor gelu(const Tensor& a, GeluApproximate approximate = GeluApproximate::Tanh);
 Tensor silu(const Tensor& a);
+Tensor erf(const Tensor& a);
+// Dropout while `training` (x itself otherwise): ops::dropout with counters
+// reserved from gen through draw_random, so a checkpointed block re-runs with
+// the mask its forward used (Note [Random draws under checkpoint] in
+// autograd/checkpoint.h). The backward applies the same mask and scale to the
+// gradient; the node keeps only the counters, no tensor.
+Tensor dropout(const Tensor& x, double p, bool training, Generator& gen);
 // silu(a) * b as one fused op (the SwiGLU gate); a and b of one shape and dtype.
 Tensor swiglu(const Tensor& a, const Tensor& b);
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
@@ -139,8 +148,14 @@ Tensor scatter_add(const Tensor& t, int64_t dim, const Tensor& index, const Tens
 std::pair<Tensor, Tensor> topk(const Tensor& t, int64_t k, int64_t dim = -1, bool largest = true);
 
 // ---- losses and attention ----
+// PyTorch's semantics (reduction, label_smoothing, ignore_index), except
+// that a mean over targets that are all ignored is 0 rather than NaN: see
+// ops::cross_entropy in tensor/ops.h.
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
-// Differentiable in q, k, v (the lse output is not).
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets,
+                     const CrossEntropyOptions& options);
+// Differentiable in q, k, v (the lse output is not). Rows that see no key
+// give 0 and zero gradients, not PyTorch's NaN (tensor/ops.h says why).
 AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const AttentionOptions& options = {});
 

@@ -270,8 +270,9 @@ Tensor replicate_heads(const Tensor& t, int64_t head_dim, int64_t degree) {
   const int64_t h = t.shape()[head_dim];
   if (h % degree == 0) return t;
   TANDEM_CHECK(degree % h == 0,
-               "[parallel::ContextParallel] expected KV heads divisible by the Ulysses degree or "
-               "dividing it, got {} KV heads and degree {}",
+               "[parallel::ContextParallel] expected the KV heads and the Ulysses degree to divide "
+               "one another (KV heads % degree == 0, or degree % KV heads == 0: each KV head is "
+               "then replicated degree / KV heads times), got {} KV heads and degree {}",
                h, degree);
   Shape expanded = t.shape();
   expanded.insert(static_cast<int>(head_dim) + 1, degree / h);
@@ -599,11 +600,15 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
                "[parallel::AsyncContextParallel] expected head_size > 0 (the projections output "
                "heads * head_size features), got {}",
                head_size);
+  TANDEM_CHECK(config.mode == CPMode::Auto,
+               "[parallel::AsyncContextParallel] expected mode Auto (Ulysses or all-gather KV), "
+               "got mode Ring (ring attention has no async variant: apply ContextParallel with "
+               "mode Ring instead)");
   TANDEM_CHECK(
-      config.mode == CPMode::Auto && (config.ulysses_degree == 1 ||
-                                      config.ulysses_degree == static_cast<int64_t>(mesh.size())),
+      config.ulysses_degree == 1 || config.ulysses_degree == static_cast<int64_t>(mesh.size()),
       "[parallel::AsyncContextParallel] expected Ulysses (ulysses_degree == cp) or "
-      "all-gather KV (ulysses_degree == 1) without ring, got ulysses_degree {} on cp={}",
+      "all-gather KV (ulysses_degree == 1), got ulysses_degree {} on cp={} (hybrid has no async "
+      "variant)",
       config.ulysses_degree, mesh.size());
   TANDEM_CHECK(
       config.seq_dim == 1 && config.head_dim == 2,
@@ -649,7 +654,9 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
         const int64_t heads = y.shape()[2] / hs;
         if (i > 0 && heads % cp != 0) {
           Shape h = {y.shape()[0], y.shape()[1], heads, hs};
-          x = reshape(replicate_heads(reshape(y, h), 2, cp), Shape{y.shape()[0], y.shape()[1], -1});
+          Tensor replicated = replicate_heads(reshape(y, h), 2, cp);
+          // Every extent spelled out: this rank's sequence shard may be empty.
+          x = reshape(replicated, Shape{y.shape()[0], y.shape()[1], replicated.shape()[2] * hs});
           // The backward of the replication reads the gradient: wait first.
           auto wait = std::make_shared<WaitPoint>();
           wait->slots = slots;
@@ -751,7 +758,7 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
           offset += l.out_splits[r];
         }
         Tensor joined = contiguous(transpose(cat(parts, 1), 0, 2));  // (B, S, F/cp)
-        result = reshape(joined, Shape{B, s.total, -1, hs});
+        result = reshape(joined, Shape{B, s.total, joined.shape()[2] / hs, hs});
       } else {
         const int64_t block = *std::max_element(lengths.begin(), lengths.end());
         std::vector<Tensor> parts;
@@ -769,7 +776,7 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
           }
           joined = cat(by_position, 1);
         }
-        result = reshape(joined, Shape{B, s.total, -1, hs});
+        result = reshape(joined, Shape{B, s.total, joined.shape()[2] / hs, hs});
       }
       *qkv[i] = result;
     }

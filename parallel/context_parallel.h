@@ -20,11 +20,34 @@
 //
 // Load balance (all-gather KV and ring, causal): rank r holds sequence chunks
 // r and 2cp-1-r of 2cp, so every rank has the same causal work;
-// shard_sequence() lays a batch out that way. Grouped-query attention with
-// fewer KV heads than the Ulysses degree replicates the KV heads before the
-// all-to-all (their gradients sum back). Sequence lengths need not divide cp:
-// shards follow chunk semantics, transfers are padded inside the layer and
-// only real tokens are attended to and returned.
+// shard_sequence() lays a batch out that way. Sequence lengths need not
+// divide cp: shards follow chunk semantics, transfers are padded inside the
+// layer and only real tokens are attended to and returned. A rank may hold
+// no tokens at all (a sequence shorter than cp, or than 2cp with load
+// balance): its output and gradients are empty, and it still takes part in
+// every collective.
+//
+// Heads with Ulysses (ds > 1): the query heads must be divisible by ds, and
+// the KV heads (Hkv) and ds must divide one another: Hkv % ds == 0 (each rank
+// gets Hkv / ds KV heads) or ds % Hkv == 0 (each KV head is replicated
+// ds / Hkv times before the all-to-all; the copies' gradients sum back).
+// Other counts are refused (3 KV heads on ds = 2, 6 on ds = 4). All-gather KV
+// and ring (ds == 1) take any grouped-query layout.
+//
+// Weight gradients: everything outside the core attention (the q/k/v/o
+// projections of nn::SelfAttention, norms, MLPs) sees only this rank's
+// tokens, so after backward its parameters' gradients are per-rank partial
+// sums. Sum them over the CP group before the optimizer step:
+//
+//   for (auto& [name, p] : model->named_parameters()) {
+//     WorkPtr w = cp_mesh.get_group()->all_reduce(grad(p));  // RedOp::Sum
+//     w->wait();
+//     set_grad(p, w->result());
+//   }
+//
+// (With data parallelism as well, one all-reduce over the flattened (dp, cp)
+// group does both, as tandem-train does.) Activation gradients (of the layer
+// input) are complete on every rank and need nothing.
 //
 // The hooks work on the local tensors that modules exchange; apply() must be
 // called on every rank of the mesh, and every forward is collective over it.

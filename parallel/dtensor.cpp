@@ -118,6 +118,12 @@ DTensor DTensor::from_local(const Tensor& local, const DeviceMesh& mesh, Placeme
 
 DTensor DTensor::distribute(const Tensor& full, const DeviceMesh& mesh, Placements placements) {
   Placements p = normalise(placements, mesh, full.dim(), "distribute");
+  const bool wants_grad = requires_grad(full);
+  TANDEM_CHECK(!wants_grad || is_leaf(full),
+               "[parallel::distribute] expected a leaf tensor or one that does not require grad "
+               "(the result is a new leaf), got a non-leaf {} that requires grad (use "
+               "from_local and redistribute to stay on the graph)",
+               full.shape());
   Tensor local = full;
   std::vector<int64_t> coord = mesh.coordinate();
   Shape extent = full.shape();
@@ -131,7 +137,11 @@ DTensor DTensor::distribute(const Tensor& full, const DeviceMesh& mesh, Placemen
       local = ops::zeros_like(local);  // the sum over the mesh dim is the value
     }
   }
-  return make(ops::contiguous(local), mesh, p, full.shape());
+  // A leaf of its own that requires grad when `full` does, as in PyTorch's
+  // distribute_tensor: backward() through the DTensor then reaches it.
+  Tensor out = detach(ops::contiguous(local));
+  if (wants_grad) set_requires_grad(out, true);
+  return make(out, mesh, p, full.shape());
 }
 
 std::string DTensor::str() const {

@@ -36,7 +36,10 @@ class DTensor {
   static DTensor from_local(const Tensor& local, const DeviceMesh& mesh, Placements placements,
                             std::optional<Shape> global_shape = std::nullopt);
   // Slices a tensor that every rank holds in full (Replicate/Partial keep or
-  // split the values as documented in redistribute). No communication.
+  // split the values as documented in redistribute). No communication. As
+  // PyTorch's distribute_tensor, the local tensor is a new leaf that requires
+  // grad when `full` does (`full` must then be a leaf itself); its gradient
+  // does not flow back into `full`.
   static DTensor distribute(const Tensor& full, const DeviceMesh& mesh, Placements placements);
 
   const Tensor& to_local() const { return local_; }

@@ -1,6 +1,7 @@
 #include "parallel/dtensor_ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "autograd/function.h"
@@ -296,7 +297,8 @@ DTensor mean(const DTensor& t, const Dims& dims, bool keepdim) {
   int64_t count = 1;
   for (int64_t d : reduced)
     count *= t.shape()[d];
-  return mul(sum(t, dims, keepdim), count > 0 ? 1.0 / static_cast<double>(count) : 0.0);
+  // Over nothing, 0 / 0: NaN, as the local mean and PyTorch.
+  return mul(sum(t, dims, keepdim), count > 0 ? 1.0 / static_cast<double>(count) : std::nan(""));
 }
 
 namespace {

@@ -30,7 +30,22 @@ TensorArg arg_of(const Tensor& t);
 // `t` with its shape broadcast to `shape` (stride 0 on broadcast dims).
 TensorArg broadcast_arg(const Tensor& t, const Shape& shape);
 
-enum class UnaryOp : uint8_t { Neg, Exp, Log, Sqrt, Rsqrt, Abs, Tanh, Sigmoid, Relu, Gelu, Silu };
+// Gelu is the tanh approximation, GeluErf the exact 0.5 x (1 + erf(x / sqrt 2)).
+enum class UnaryOp : uint8_t {
+  Neg,
+  Exp,
+  Log,
+  Sqrt,
+  Rsqrt,
+  Abs,
+  Tanh,
+  Sigmoid,
+  Relu,
+  Gelu,
+  Silu,
+  Erf,
+  GeluErf
+};
 enum class BinaryOp : uint8_t { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge };
 constexpr bool is_comparison(BinaryOp op) {
   return op >= BinaryOp::Eq;
@@ -104,6 +119,11 @@ struct AttentionArgs {
                      const TensorArg& mean, const TensorArg& rstd, int64_t rows, int64_t d,       \
                      const TensorArg& dx, const TensorArg& dweight,                               \
                      const TensorArg& dbias __VA_ARGS__);                                         \
+  /* out[i] = u_i < p ? 0 : in[i] / (1 - p), u_i = philox_uniform(offset, seed, i)                \
+     (tensor/random.h; the comparison in f32 on every device); in, out contiguous of one          \
+     floating dtype; 0 < p < 1 */                                                                 \
+  void dropout(const TensorArg& in, double p, uint64_t seed, uint64_t offset,                     \
+               const TensorArg& out __VA_ARGS__);                                                 \
   /* out = silu(a) * b; a, b, out contiguous of one shape and floating dtype */                   \
   void swiglu(const TensorArg& a, const TensorArg& b, const TensorArg& out __VA_ARGS__);          \
   /* da = g * b * silu'(a), db = g * silu(a); all contiguous of one shape and dtype */            \

@@ -31,6 +31,19 @@ struct NormGrads {
   Tensor dbias;    // (D), x's dtype (layer_norm only)
 };
 
+enum class GeluApproximate { None, Tanh };
+
+// How a loss combines its per-row values, as PyTorch's `reduction`.
+enum class Reduction { None, Mean, Sum };
+
+// cross_entropy's options, with PyTorch's names and defaults (class weights
+// and probability targets are not supported).
+struct CrossEntropyOptions {
+  int64_t ignore_index = -100;
+  Reduction reduction = Reduction::Mean;
+  double label_smoothing = 0.0;  // in [0, 1]
+};
+
 struct AttentionOptions {
   bool causal = false;
   int64_t q_offset = 0;
@@ -47,8 +60,11 @@ namespace ops {
 
 using tandem::AttentionOptions;
 using tandem::AttentionResult;
+using tandem::CrossEntropyOptions;
+using tandem::GeluApproximate;
 using tandem::NormGrads;
 using tandem::NormResult;
+using tandem::Reduction;
 
 // ---- factories ----
 Tensor zeros(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
@@ -135,8 +151,24 @@ Tensor abs(const Tensor& a);
 Tensor tanh(const Tensor& a);
 Tensor sigmoid(const Tensor& a);
 Tensor relu(const Tensor& a);
-Tensor gelu(const Tensor& a);  // tanh approximation (GPT-2, llm.c)
+// GELU: Tanh is 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (GPT-2,
+// llm.c), None the exact 0.5 x (1 + erf(x / sqrt(2))), as PyTorch's
+// `approximate` argument. The default differs from PyTorch's on purpose:
+// tandem's gelu has always been the tanh form and models trained with it keep
+// their numbers; pass GeluApproximate::None for torch.nn.GELU().
+Tensor gelu(const Tensor& a, GeluApproximate approximate = GeluApproximate::Tanh);
 Tensor silu(const Tensor& a);
+Tensor erf(const Tensor& a);
+// Dropout (training form): element i of x is zeroed where
+// philox_uniform(offset, seed, i) < p (tensor/random.h) and the others are
+// scaled by 1 / (1 - p), so the expectation is x. p == 0 returns x itself,
+// p == 1 zeros. The mask depends only on (seed, offset + i): the same on CPU
+// and CUDA, at any thread count, and in a recomputed forward given the same
+// counters, which is how autograd's dropout both recomputes (Note [Random
+// draws under checkpoint]) and backpropagates (the same call on the gradient).
+Tensor dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset);
+// The same with counters reserved from gen (numel of them, whatever p).
+Tensor dropout(const Tensor& x, double p, Generator& gen);
 // silu(a) * b in one pass (the SwiGLU gate); a and b of one shape and dtype.
 Tensor swiglu(const Tensor& a, const Tensor& b);
 // The gradients (da, db) of swiglu(a, b) for the output gradient g.
@@ -169,6 +201,10 @@ Tensor operator/(const Tensor& a, double s);
 Tensor operator-(const Tensor& a);
 
 // ---- reductions over dims (empty dims = all) ----
+// Floating sums (sum, mean, cumsum, the softmax denominators) add in one
+// fixed blocked, pairwise order (Note [Cascade summation] in
+// tensor/cpu/cascade.h): the rounding error grows like log n, not n, and the
+// bits are the same at any number of CPU kernel threads.
 Tensor sum(const Tensor& t, const Dims& dims = {}, bool keepdim = false);
 Tensor mean(const Tensor& t, const Dims& dims = {}, bool keepdim = false);
 Tensor amax(const Tensor& t, const Dims& dims = {}, bool keepdim = false);
@@ -178,6 +214,8 @@ std::pair<Tensor, Tensor> max(const Tensor& t, int64_t dim, bool keepdim = false
 Tensor argmax(const Tensor& t, int64_t dim, bool keepdim = false);
 Tensor argmin(const Tensor& t, int64_t dim, bool keepdim = false);
 Tensor cumsum(const Tensor& t, int64_t dim);
+// A line whose elements are all -inf gives zeros, where PyTorch gives NaN:
+// on purpose, like attention rows that see no key (a fully masked row).
 Tensor softmax(const Tensor& t, int64_t dim = -1);
 Tensor log_softmax(const Tensor& t, int64_t dim = -1);
 
@@ -210,14 +248,30 @@ Tensor argsort(const Tensor& t, int64_t dim = -1, bool descending = false);  // 
 Tensor one_hot(const Tensor& indices, int64_t num_classes);                  // i64 output
 
 // ---- losses and attention ----
-// logits (N, C), targets (N) integer; mean over targets != ignore_index.
+// logits (N, C), targets (N) integer. With logp = log_softmax(logits, 1) and
+// e = label_smoothing, row i's loss is
+//   (1 - e) * -logp[i, t_i] + e * mean_c(-logp[i, c]),
+// and 0 where t_i == ignore_index. Reduction::Mean divides the sum by the
+// number of targets != ignore_index, Sum returns the sum, None the (N) row
+// losses. These are PyTorch's semantics, with one difference on purpose: a
+// mean over a batch whose targets are all ignored is 0, not PyTorch's NaN (a
+// context-parallel shard or a padded micro-batch may score no token at all,
+// and a NaN there would poison the whole step's gradients). The loss is f32
+// (f64 for f64 logits) whatever the logits' dtype.
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets,
+                     const CrossEntropyOptions& options);
 
 // Scaled dot-product attention on (B, H, S, D) layouts (BHSD).
 // q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D) with Hq % Hkv == 0 (grouped-query
 // heads: query head h uses kv head h / (Hq / Hkv)). With `causal`, query at
 // global position q_offset + i attends to keys at global positions
 // k_offset + j <= q_offset + i (positions matter when the sequence is sharded).
+// Rows that see no key at all (Sq > 0 with Sk == 0, or a causal row whose
+// keys all lie after it) give a zero output row and lse = -inf, where PyTorch
+// gives NaN; on purpose, since a sequence shard may legitimately hold no
+// visible key for some query rows (context parallelism) and their gradients
+// must stay finite.
 // One fused kernel per device (Note [Fused CPU attention] in
 // tensor/cpu/attention.cpp); `out` is a (B, Hq, Sq, D) view of a (B, Sq, Hq, D)
 // contiguous buffer, so that merging the heads back is free.
@@ -239,6 +293,9 @@ bool equal(const Tensor& a, const Tensor& b);  // same shape and identical value
 // large elementwise ops: Note [CPU kernel threads]); default 1.
 void set_num_threads(int n);
 int num_threads();
+// The vector instructions the CPU kernels were built for (-Dcpu_arch; Note
+// [SIMD width] in tensor/cpu/simd.h): "avx512", "avx2", "avx" or "sse2".
+const char* cpu_vector_isa();
 
 }  // namespace ops
 }  // namespace tandem

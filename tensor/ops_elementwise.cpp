@@ -21,8 +21,8 @@ const char* binary_name(BinaryOp op) {
 }
 
 const char* unary_name(UnaryOp op) {
-  static const char* names[] = {"neg",  "exp",     "log",  "sqrt", "rsqrt", "abs",
-                                "tanh", "sigmoid", "relu", "gelu", "silu"};
+  static const char* names[] = {"neg",     "exp",  "log",  "sqrt", "rsqrt", "abs",     "tanh",
+                                "sigmoid", "relu", "gelu", "silu", "erf",   "gelu_erf"};
   return names[static_cast<int>(op)];
 }
 
@@ -198,8 +198,40 @@ Tensor sigmoid(const Tensor& a) {
 Tensor relu(const Tensor& a) {
   return unary_op(UnaryOp::Relu, a);
 }
-Tensor gelu(const Tensor& a) {
-  return unary_op(UnaryOp::Gelu, a);
+Tensor gelu(const Tensor& a, GeluApproximate approximate) {
+  return unary_op(approximate == GeluApproximate::Tanh ? UnaryOp::Gelu : UnaryOp::GeluErf, a);
+}
+Tensor erf(const Tensor& a) {
+  return unary_op(UnaryOp::Erf, a);
+}
+
+namespace {
+void check_dropout(const Tensor& x, double p) {
+  TANDEM_CHECK(x.defined(), "[tensor::dropout] expected a defined tensor, got an empty handle");
+  TANDEM_CHECK(is_floating(x.dtype()), "[tensor::dropout] expected a floating x, got {}",
+               dtype_name(x.dtype()));
+  TANDEM_CHECK(p >= 0.0 && p <= 1.0, "[tensor::dropout] expected p in [0, 1], got {}", p);
+}
+}  // namespace
+
+Tensor dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset) {
+  check_dropout(x, p);
+  if (p == 0.0) return x;
+  if (p == 1.0) return zeros_like(x);
+  const Tensor xc = contiguous(x);
+  Tensor out = empty(x.shape(), x.dtype(), x.device());
+  TensorArg ax = arg_of(xc), ao = arg_of(out);
+  dispatch(
+      out.device(), [=] { cpu::dropout(ax, p, seed, offset, ao); },
+      [=](void* s) { cuda::dropout(ax, p, seed, offset, ao, s); }, xc, out);
+  return out;
+}
+
+Tensor dropout(const Tensor& x, double p, Generator& gen) {
+  check_dropout(x, p);  // before the generator advances
+  const uint64_t seed = gen.seed();
+  const uint64_t offset = gen.advance(static_cast<uint64_t>(x.numel()));
+  return dropout(x, p, seed, offset);
 }
 Tensor silu(const Tensor& a) {
   return unary_op(UnaryOp::Silu, a);

@@ -62,6 +62,10 @@ int num_threads() {
   return cpu::num_threads();
 }
 
+const char* cpu_vector_isa() {
+  return cpu::vector_isa();
+}
+
 Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   apply_default_threads();
   TANDEM_CHECK(a_in.defined() && b_in.defined(), "[tensor::matmul] expected defined tensors");

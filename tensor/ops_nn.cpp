@@ -107,7 +107,8 @@ void check_attention_inputs(const Tensor& q, const Tensor& k, const Tensor& v, c
   TANDEM_CHECK(k.size(0) == B && k.size(3) == D,
                "[tensor::{}] expected q and k with the same B and D, got q={}, k={}", op, q.shape(),
                k.shape());
-  TANDEM_CHECK(Hkv > 0 && Hq % Hkv == 0,
+  // No heads at all (an empty head shard) is the one layout with Hkv == 0.
+  TANDEM_CHECK((Hkv > 0 && Hq % Hkv == 0) || (Hq == 0 && Hkv == 0),
                "[tensor::{}] expected Hq divisible by Hkv, got Hq={}, Hkv={} (q={}, k={})", op, Hq,
                Hkv, q.shape(), k.shape());
   TANDEM_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(),
@@ -427,6 +428,13 @@ Tensor one_hot(const Tensor& indices, int64_t num_classes) {
 // ---- losses and attention ----
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
+  CrossEntropyOptions options;
+  options.ignore_index = ignore_index;
+  return cross_entropy(logits, targets, options);
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets,
+                     const CrossEntropyOptions& options) {
   check_defined(logits, "cross_entropy", "logits");
   check_defined(targets, "cross_entropy", "targets");
   TANDEM_CHECK(logits.dim() == 2,
@@ -441,17 +449,29 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
                "[tensor::cross_entropy] expected i64 or i32 targets, got {}",
                dtype_name(targets.dtype()));
   check_same_device(logits, targets, "cross_entropy", "logits", "targets");
+  const double eps = options.label_smoothing;
+  TANDEM_CHECK(eps >= 0.0 && eps <= 1.0,
+               "[tensor::cross_entropy] expected label_smoothing in [0, 1], got {}", eps);
   // Accumulate in f32 (f64 for f64 logits); only the N picked values are cast.
   const DType acc = logits.dtype() == DType::F64 ? DType::F64 : DType::F32;
   const Tensor t64 = cast_if_needed(targets, DType::I64);
-  const Tensor valid = ne(t64, static_cast<double>(ignore_index));
+  const Tensor valid = ne(t64, static_cast<double>(options.ignore_index));
   // Ignored targets may hold any value (e.g. -100): read class 0 there instead
   // and drop it with the mask, so gather's range check sees only real classes.
   const Tensor safe = where(valid, t64, zeros_like(t64));
   const Tensor logp = log_softmax(logits, 1);
-  const Tensor picked = cast_if_needed(squeeze(gather(logp, 1, unsqueeze(safe, 1)), 1), acc);
-  // where, not a multiply by the mask: an ignored row's class 0 may be -inf.
-  const Tensor total = sum(where(valid, neg(picked), 0.0));
+  Tensor row = neg(cast_if_needed(squeeze(gather(logp, 1, unsqueeze(safe, 1)), 1), acc));
+  if (eps > 0.0) {
+    // The smoothing term: the mean over classes of -logp (a uniform target).
+    const Tensor uniform =
+        div(neg(sum(cast_if_needed(logp, acc), {1})), static_cast<double>(logits.size(1)));
+    row = add(mul(row, 1.0 - eps), mul(uniform, eps));
+  }
+  // where, not a multiply by the mask: an ignored row's terms may be -inf.
+  const Tensor per_row = where(valid, row, 0.0);
+  if (options.reduction == Reduction::None) return per_row;
+  const Tensor total = sum(per_row);
+  if (options.reduction == Reduction::Sum) return total;
   const Tensor count = sum(to(valid, acc));
   // No valid target: total is 0, and dividing by max(count, 1) returns 0, not NaN.
   return div(total, maximum(count, ones_like(count)));
@@ -467,9 +487,25 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
       options.scale.value_or(D > 0 ? 1.0 / std::sqrt(static_cast<double>(D)) : 1.0);
 
   AttentionResult r;
-  if (Sq == 0 || Sk == 0) {  // nothing to attend to: zero output, lse = -inf
+  if (q.numel() == 0 || Sk == 0) {
+    // Nothing to attend to, or no query: a zero (or empty) output, lse = -inf.
     r.out = zeros({B, Hq, Sq, D}, q.dtype(), dev);
     r.lse = full({B, Hq, Sq}, kNegInf, DType::F32, dev);
+    if (D == 0 && r.lse.numel() > 0) {
+      // D == 0 alone: every score is an empty dot product, 0, so a row's
+      // log-sum-exp is log(number of keys it sees) (-inf when none).
+      const Tensor qpos =
+          unsqueeze(arange(static_cast<double>(options.q_offset),
+                           static_cast<double>(options.q_offset + Sq), 1.0, DType::I64, dev),
+                    1);
+      const Tensor kpos =
+          unsqueeze(arange(static_cast<double>(options.k_offset),
+                           static_cast<double>(options.k_offset + Sk), 1.0, DType::I64, dev),
+                    0);
+      const Tensor seen = options.causal ? sum(to(le(kpos, qpos), DType::F32), {1})
+                                         : full({Sq}, static_cast<double>(Sk), DType::F32, dev);
+      copy_(r.lse, log(seen));
+    }
     return r;
   }
   // The kernel runs in f32 for 16-bit inputs (f64 for f64), with one rounding
@@ -512,7 +548,7 @@ std::vector<Tensor> scaled_dot_product_attention_backward(const Tensor& q, const
   check_same_device(q, dout, op, "q", "dout");
   const int64_t Hkv = k.size(1), Sk = k.size(2);
   const DType ct = q.dtype() == DType::F64 ? DType::F64 : DType::F32;
-  if (Sq == 0 || Sk == 0) {
+  if (q.numel() == 0 || k.numel() == 0) {  // no scores: zero (or empty) gradients
     return {zeros_like(q), zeros_like(k), zeros_like(v)};
   }
   const double scale =

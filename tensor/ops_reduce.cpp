@@ -91,6 +91,10 @@ Tensor run_reduce(ReduceOp op, const Tensor& t, const Dims& dims, bool keepdim, 
                  name, t.shape(), dims);
   }
   Tensor out = empty(p.out_shape, arg ? DType::I64 : src.dtype(), t.device());
+  if (op == ReduceOp::Mean && p.r == 0) {
+    fill_(out, std::nan(""));  // 0 / 0, as in PyTorch (a sum over nothing is 0)
+    return out;
+  }
   TensorArg ai = arg_of(p.input), ao = arg_of(out);
   int64_t outer = p.outer, r = p.r, inner = p.inner;
   dispatch(

@@ -28,7 +28,14 @@ Shape infer_shape(const Shape& shape, int64_t numel, const char* op) {
     }
   }
   if (infer >= 0) {
-    TANDEM_CHECK(known != 0 && numel % known == 0,
+    // As in PyTorch: with a 0 extent beside the -1, every size fits 0
+    // elements, so the -1 is ambiguous and refused (callers that may see
+    // empty tensors spell every extent out).
+    TANDEM_CHECK(known != 0,
+                 "[tensor::{}] expected a shape whose -1 can be inferred, got {} for {} elements "
+                 "(a 0 extent beside the -1 lets it be any size: give every extent)",
+                 op, shape, numel);
+    TANDEM_CHECK(numel % known == 0,
                  "[tensor::{}] expected shape {} to be compatible with {} elements", op, shape,
                  numel);
     out[infer] = numel / known;
@@ -280,8 +287,11 @@ std::vector<Tensor> chunk(const Tensor& t, int64_t chunks, int64_t dim) {
   TANDEM_CHECK(chunks > 0, "[tensor::chunk] expected chunks > 0, got {}", chunks);
   int d = wrap_dim(dim, t.dim(), "chunk");
   int64_t n = t.shape()[d];
+  // As torch.chunk: an empty dim gives `chunks` empty pieces (split would
+  // give one, losing the count).
+  if (n == 0) return std::vector<Tensor>(static_cast<size_t>(chunks), t);
   int64_t size = (n + chunks - 1) / chunks;
-  return split(t, std::max<int64_t>(size, 1), d);
+  return split(t, size, d);
 }
 
 }  // namespace tandem::ops

@@ -111,6 +111,48 @@ run_asan() {
   return $failed
 }
 
+# Runs the Catch2 binaries of suites "${@:4}" from build directory $2 as stage
+# $1 (each a JUnit report $2/tests/junit-$1-<suite>.xml), with the environment
+# words in $3 (space-separated NAME=value). Returns the number that failed.
+run_suites() {
+  local label="$1" dir="$2" env_words="$3"
+  shift 3
+  rm -f "$dir"/tests/junit-"$label"-*.xml
+  local failed=0
+  for s in "$@"; do
+    echo "tandem: $label: $s"
+    # shellcheck disable=SC2086 # env_words is a list of words
+    if ! env $env_words TANDEM_WAIT_TIMEOUT_S=300 "$dir/tests/tandem-tests-$s" $(suite_filter "$s") \
+        --use-colour no -r junit -o "$dir/tests/junit-$label-$s.xml" >"$dir/tests/$label-$s.log" 2>&1; then
+      echo "tandem: $label run of $s failed (log: $dir/tests/$label-$s.log):"
+      grep -m 5 -B 5 -A 20 -E "FAILED|REQUIRE|CHECK" "$dir/tests/$label-$s.log" || tail -20 "$dir/tests/$label-$s.log"
+      failed=$((failed + 1))
+    fi
+  done
+  return $failed
+}
+
+# The tensor and autograd suites again from a build whose CPU kernels cannot
+# use AVX-512 (-Dcpu_arch=x86-64-v3: AVX2 and FMA, 16 vector registers; Note
+# [SIMD width] in tensor/cpu/simd.h), so the AVX2 path is tested whatever CPU
+# runs CI. Own build directory, CUDA/MPI off; ccache keeps rebuilds cheap.
+# TANDEM_SKIP_AVX2=1 skips it.
+avx2_build="${TANDEM_AVX2_BUILD_DIR:-$root/build-avx2}"
+avx2_suites=(tensor autograd)
+run_avx2() {
+  if [[ ! -f "$avx2_build/build.ninja" ]]; then
+    meson setup "$avx2_build" "$root" -Dcpu_arch=x86-64-v3 -Dcuda=disabled -Dmpi=disabled \
+      -Dnccl=disabled >/dev/null
+  fi
+  local targets=()
+  for s in "${avx2_suites[@]}"; do targets+=("tests/tandem-tests-$s"); done
+  if ! ninja -C "$avx2_build" -j "$jobs" "${targets[@]}"; then
+    echo "tandem: the AVX2 build failed"
+    return 1
+  fi
+  run_suites avx2 "$avx2_build" "" "${avx2_suites[@]}"
+}
+
 # The whole suite a second time from the normal build with every thread's
 # default CPU stream asynchronous (TANDEM_CPU_STREAMS=async; the workers'
 # streams follow), so that an op that reads before its producer ran, or a
@@ -119,21 +161,7 @@ run_asan() {
 # $build/tests/junit-async-<suite>.xml. TANDEM_SKIP_ASYNC=1 skips it.
 async_suites=(runtime tensor autograd comm parallel train tools)
 run_async() {
-  rm -f "$build"/tests/junit-async-*.xml
-  local failed=0
-  for s in "${async_suites[@]}"; do
-    echo "tandem: async CPU streams: $s"
-    local log="$build/tests/async-$s.log"
-    if ! TANDEM_CPU_STREAMS=async TANDEM_WAIT_TIMEOUT_S=300 "$build/tests/tandem-tests-$s" \
-        $(suite_filter "$s") --use-colour no -r junit -o "$build/tests/junit-async-$s.xml" \
-        >"$log" 2>&1; then
-      echo "tandem: the async-stream run of $s failed (log: $log):"
-      grep -m 10 -A 4 -E "<(failure|error)" "$build/tests/junit-async-$s.xml" 2>/dev/null ||
-        tail -20 "$log"
-      failed=$((failed + 1))
-    fi
-  done
-  return $failed
+  run_suites async "$build" "TANDEM_CPU_STREAMS=async" "${async_suites[@]}"
 }
 
 # libFuzzer targets (tools/fuzz, built with clang++ in their own directory),
@@ -217,6 +245,12 @@ run_tests() {
   local status=0 extra_failed=0 failed=0
   timed tests meson test --no-rebuild --print-errorlogs --num-processes 1 || status=$?
   local reports=(tests/junit-*.xml)
+  if [[ "${TANDEM_SKIP_AVX2:-0}" != 1 ]]; then
+    failed=0
+    timed avx2 run_avx2 || failed=$?
+    extra_failed=$((extra_failed + failed))
+    reports+=("$avx2_build"/tests/junit-avx2-*.xml)
+  fi
   if [[ "${TANDEM_SKIP_ASYNC:-0}" != 1 ]]; then
     failed=0
     timed async run_async || failed=$?

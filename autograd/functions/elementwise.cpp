@@ -3,6 +3,7 @@
 // casts back to each input's dtype.
 #include <cmath>
 
+#include "autograd/checkpoint.h"
 #include "autograd/ops.h"
 
 namespace tandem {
@@ -60,15 +61,27 @@ struct DivBackward final : Node {
   void release_saved() override { a = b = out = Tensor(); }
 };
 
+// PyTorch's conventions where the formulas give 0 * inf: d/da is 0 where
+// b == 0 (a^0 is constant 1, even at a == 0), and d/db = a^b log(a) is 0 where
+// a == 0 and b >= 0 (0^b is 0 or 1 there; x ** p with a learnable p after a
+// relu must not turn the whole gradient into NaN).
 struct PowBackward final : Node {
   TANDEM_NODE_NAME(PowBackward)
   Tensor a, b, out;
   std::vector<Tensor> apply(std::vector<Tensor>& g) override {
     Tensor ga, gb;
     if (needs_grad(0)) {
-      ga = fit(ops::mul(g[0], ops::mul(b, ops::pow(a, ops::sub(b, 1.0)))), a.shape(), a.dtype());
+      Tensor local = ops::mul(b, ops::pow(a, ops::sub(b, 1.0)));
+      local =
+          ops::where(ops::eq(b, 0.0), ops::zeros(Shape{}, local.dtype(), local.device()), local);
+      ga = fit(ops::mul(g[0], local), a.shape(), a.dtype());
     }
-    if (needs_grad(1)) gb = fit(ops::mul(g[0], ops::mul(out, ops::log(a))), b.shape(), b.dtype());
+    if (needs_grad(1)) {
+      Tensor local = ops::mul(out, ops::log(a));
+      const Tensor zero = ops::zeros(Shape{}, local.dtype(), local.device());
+      local = ops::where(ops::ge(b, 0.0), ops::where(ops::eq(a, 0.0), zero, local), local);
+      gb = fit(ops::mul(g[0], local), b.shape(), b.dtype());
+    }
     return {ga, gb};
   }
   void release_saved() override { a = b = out = Tensor(); }
@@ -213,8 +226,10 @@ Tensor rdiv(const Tensor& a, double s) {
   });
 }
 Tensor pow(const Tensor& a, double e) {
+  // x^0 is constant: its gradient is 0 even at x == 0, where e * x^(e-1) is 0 * inf.
   return unary("PowScalarBackward", a, ops::pow(a, e), false,
                [e](const Tensor& g, const Tensor& x) {
+                 if (e == 0.0) return ops::zeros_like(g);
                  return ops::mul(g, ops::mul(ops::pow(x, e - 1.0), e));
                });
 }
@@ -258,7 +273,18 @@ Tensor relu(const Tensor& a) {
     return ops::mul(g, ops::to(ops::gt(y, 0.0), g.dtype()));
   });
 }
-Tensor gelu(const Tensor& a) {
+Tensor gelu(const Tensor& a, GeluApproximate approximate) {
+  if (approximate == GeluApproximate::None) {
+    // y = x Phi(x): dy/dx = Phi(x) + x phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2,
+    // phi(x) = exp(-x^2 / 2) / sqrt(2 pi).
+    return unary("GeluErfBackward", a, ops::gelu(a, approximate), false,
+                 [](const Tensor& g, const Tensor& x) {
+                   const double inv_sqrt2 = 0.7071067811865476, inv_sqrt_2pi = 0.3989422804014327;
+                   Tensor cdf = ops::mul(ops::add(ops::erf(ops::mul(x, inv_sqrt2)), 1.0), 0.5);
+                   Tensor pdf = ops::mul(ops::exp(ops::mul(ops::mul(x, x), -0.5)), inv_sqrt_2pi);
+                   return ops::mul(g, ops::add(cdf, ops::mul(x, pdf)));
+                 });
+  }
   return unary("GeluBackward", a, ops::gelu(a), false, [](const Tensor& g, const Tensor& x) {
     // y = 0.5 x (1 + tanh(u)), u = k (x + c x^3)
     const double k = 0.7978845608028654, c = 0.044715;
@@ -271,11 +297,48 @@ Tensor gelu(const Tensor& a) {
     return ops::mul(g, d);
   });
 }
+Tensor erf(const Tensor& a) {
+  // d erf(x)/dx = 2 / sqrt(pi) exp(-x^2)
+  return unary("ErfBackward", a, ops::erf(a), false, [](const Tensor& g, const Tensor& x) {
+    return ops::mul(g, ops::mul(ops::exp(ops::neg(ops::mul(x, x))), 1.1283791670955126));
+  });
+}
 Tensor silu(const Tensor& a) {
   return unary("SiluBackward", a, ops::silu(a), false, [](const Tensor& g, const Tensor& x) {
     Tensor s = ops::sigmoid(x);
     return ops::mul(g, ops::mul(s, ops::add(ops::mul(x, ops::rsub(s, 1.0)), 1.0)));
   });
+}
+
+namespace {
+// The mask is recomputed from the counters (ops::dropout on the gradient).
+struct DropoutBackward final : Node {
+  TANDEM_NODE_NAME(DropoutBackward)
+  double p = 0.0;
+  RandomDraw draw;
+  DType in_dtype = DType::F32;
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    return {ops::to(ops::dropout(g[0], p, draw.seed, draw.offset), in_dtype)};
+  }
+};
+}  // namespace
+
+Tensor dropout(const Tensor& x, double p, bool training, Generator& gen) {
+  TANDEM_CHECK(x.defined(), "[nn::dropout] expected a defined tensor, got an empty handle");
+  TANDEM_CHECK(p >= 0.0 && p <= 1.0, "[nn::dropout] expected p in [0, 1], got {}", p);
+  if (!training) return x;
+  TANDEM_CHECK(is_floating(x.dtype()), "[nn::dropout] expected a floating x, got {}",
+               dtype_name(x.dtype()));
+  // Counters are reserved whatever p, as ops::dropout(x, p, gen) does.
+  const RandomDraw draw = draw_random(gen, static_cast<uint64_t>(x.numel()));
+  if (p == 0.0) return x;
+  Tensor out = ops::dropout(x, p, draw.seed, draw.offset);
+  if (auto node = record<DropoutBackward>({&x}, {&out})) {
+    node->p = p;
+    node->draw = draw;
+    node->in_dtype = x.dtype();
+  }
+  return out;
 }
 
 namespace {

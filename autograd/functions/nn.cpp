@@ -139,7 +139,12 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   if (a.dim() > 2 && b.dim() == 2 && a.is_contiguous()) {
     Shape out_shape = a.shape();
     out_shape[out_shape.size() - 1] = b.shape()[1];
-    return reshape(matmul_2d(reshape(a, Shape{-1, a.shape()[a.dim() - 1]}), b), out_shape);
+    // Rows spelled out, not -1: with K == 0 (an empty tensor-parallel shard)
+    // a -1 could not be inferred from 0 elements.
+    int64_t rows = 1;
+    for (int i = 0; i + 1 < a.dim(); ++i)
+      rows *= a.shape()[i];
+    return reshape(matmul_2d(reshape(a, Shape{rows, a.shape()[a.dim() - 1]}), b), out_shape);
   }
   if (a.dim() >= 2 && b.dim() >= 2) return matmul_2d(a, b);
   Tensor a2 = a.dim() == 1 ? unsqueeze(a, 0) : a;
@@ -233,21 +238,39 @@ std::pair<Tensor, Tensor> topk(const Tensor& t, int64_t k, int64_t dim, bool lar
 }
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
+  CrossEntropyOptions options;
+  options.ignore_index = ignore_index;
+  return cross_entropy(logits, targets, options);
+}
+
+// The composition of ops::cross_entropy from differentiable ops.
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets,
+                     const CrossEntropyOptions& options) {
   TANDEM_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.shape()[0] == logits.shape()[0],
                "[nn::cross_entropy] expected logits (N, C) and targets (N), got {} and {}",
                logits.shape(), targets.shape());
   TANDEM_CHECK(!is_floating(targets.dtype()),
                "[nn::cross_entropy] expected integer targets, got {}", dtype_name(targets.dtype()));
+  const double eps = options.label_smoothing;
+  TANDEM_CHECK(eps >= 0.0 && eps <= 1.0,
+               "[nn::cross_entropy] expected label_smoothing in [0, 1], got {}", eps);
   Tensor t = ops::to(targets, DType::I64);
-  Tensor keep = ops::ne(t, static_cast<double>(ignore_index));
+  Tensor keep = ops::ne(t, static_cast<double>(options.ignore_index));
   Tensor safe = ops::where(keep, t, 0.0);
   Tensor logp = log_softmax(to(logits, logits.dtype() == DType::F64 ? DType::F64 : DType::F32), 1);
-  Tensor picked = squeeze(gather(logp, 1, ops::unsqueeze(safe, 1)), 1);
-  Tensor masked = where(keep, picked, 0.0);
+  Tensor row = neg(squeeze(gather(logp, 1, ops::unsqueeze(safe, 1)), 1));
+  if (eps > 0.0) {
+    Tensor uniform = div(neg(sum(logp, Dims{1})), static_cast<double>(logits.shape()[1]));
+    row = add(mul(row, 1.0 - eps), mul(uniform, eps));
+  }
+  // where, not a multiply by the mask: an ignored row's terms may be -inf.
+  Tensor masked = where(keep, row, 0.0);
+  if (options.reduction == Reduction::None) return masked;
+  if (options.reduction == Reduction::Sum) return sum(masked);
   // The count stays on the device (no host synchronisation in the forward).
   Tensor count = ops::maximum(ops::sum(ops::to(keep, masked.dtype())),
                               ops::ones(Shape{}, masked.dtype(), masked.device()));
-  return div(neg(sum(masked)), count);
+  return div(sum(masked), count);
 }
 
 AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -53,9 +53,9 @@ std::vector<Tensor> CoreAttention::forward(Args& args) {
 SelfAttention::SelfAttention(int64_t d_model, int64_t n_heads, int64_t n_kv_heads, bool causal,
                              Generator& gen)
     : Module("SelfAttention"), d_model_(d_model), n_heads_(n_heads), n_kv_heads_(n_kv_heads) {
-  TANDEM_CHECK(n_heads > 0 && d_model % n_heads == 0,
-               "[nn::SelfAttention] expected d_model divisible by n_heads, got d_model={}, "
-               "n_heads={}",
+  TANDEM_CHECK(d_model > 0 && n_heads > 0 && d_model % n_heads == 0,
+               "[nn::SelfAttention] expected a positive d_model divisible by n_heads, got "
+               "d_model={}, n_heads={}",
                d_model, n_heads);
   TANDEM_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0,
                "[nn::SelfAttention] expected n_heads divisible by n_kv_heads, got n_heads={}, "
@@ -80,12 +80,17 @@ std::vector<Tensor> SelfAttention::forward(Args& args) {
   TANDEM_CHECK(x.dim() == 3 && x.shape()[2] == d_model_,
                "[nn::SelfAttention] expected x of shape (B, S, {}), got {}", d_model_, x.shape());
   const int64_t B = x.shape()[0], S = x.shape()[1];
-  // Heads as -1: under tensor parallelism each rank holds a slice of them.
-  Tensor q = reshape((*q_proj_)(x), Shape{B, S, -1, head_dim_});
-  Tensor k = reshape((*k_proj_)(x), Shape{B, S, -1, head_dim_});
-  Tensor v = reshape((*v_proj_)(x), Shape{B, S, -1, head_dim_});
+  // Heads from the projection's features: under tensor parallelism each rank
+  // holds a slice of them. Never a -1, which an empty batch or sequence shard
+  // (0 elements) could not resolve.
+  auto split_heads = [&](const Tensor& y) {
+    return reshape(y, Shape{B, S, y.shape()[2] / head_dim_, head_dim_});
+  };
+  Tensor q = split_heads((*q_proj_)(x));
+  Tensor k = split_heads((*k_proj_)(x));
+  Tensor v = split_heads((*v_proj_)(x));
   Tensor attn = (*core_).call(Args{q, k, v})[0];  // (B, S, Hq, Dh)
-  return {(*o_proj_)(reshape(attn, Shape{B, S, -1}))};
+  return {(*o_proj_)(reshape(attn, Shape{B, S, attn.shape()[2] * attn.shape()[3]}))};
 }
 
 }  // namespace tandem::nn

@@ -10,13 +10,15 @@ namespace tandem::nn {
 
 Linear::Linear(int64_t in_features, int64_t out_features, Generator& gen, bool bias)
     : Module("Linear"), in_features_(in_features), out_features_(out_features) {
-  TANDEM_CHECK(in_features > 0 && out_features > 0,
-               "[nn::Linear] expected positive sizes, got in={}, out={}", in_features,
+  // Zero sizes are allowed, as in torch.nn.Linear: with in == 0 the output is
+  // the bias alone (zeros without one), and the weight is empty.
+  TANDEM_CHECK(in_features >= 0 && out_features >= 0,
+               "[nn::Linear] expected non-negative sizes, got in={}, out={}", in_features,
                out_features);
   weight_ = init::kaiming_uniform(Shape{out_features, in_features}, gen);
   register_parameter("weight", &weight_);
   if (bias) {
-    const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+    const double bound = in_features > 0 ? 1.0 / std::sqrt(static_cast<double>(in_features)) : 0.0;
     bias_ = init::uniform(Shape{out_features}, -bound, bound, gen);
     register_parameter("bias", &bias_);
   }
@@ -33,8 +35,8 @@ std::vector<Tensor> Linear::forward(Args& args) {
 
 Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator& gen, double init_std)
     : Module("Embedding"), num_embeddings_(num_embeddings), dim_(dim) {
-  TANDEM_CHECK(num_embeddings > 0 && dim > 0,
-               "[nn::Embedding] expected positive sizes, got V={}, D={}", num_embeddings, dim);
+  TANDEM_CHECK(num_embeddings >= 0 && dim >= 0,
+               "[nn::Embedding] expected non-negative sizes, got V={}, D={}", num_embeddings, dim);
   weight_ = init::normal(Shape{num_embeddings, dim}, 0.0, init_std, gen);
   register_parameter("weight", &weight_);
 }

@@ -96,6 +96,9 @@ Tensor load_balancing_loss(const Tensor& probs, const MoEDispatchPlan& plan) {
                "[nn::load_balancing_loss] expected probs of shape ({}, {}), got {}",
                plan.num_tokens, plan.num_experts, probs.shape());
   const double assignments = static_cast<double>(plan.num_tokens * plan.top_k);
+  // No token (an empty sequence shard): no imbalance. 0, kept on the graph
+  // (with a zero gradient), where the formula would give 0 / 0.
+  if (assignments == 0) return mul(sum(probs), 0.0);
   std::vector<double> fraction;
   for (int64_t c : plan.counts)
     fraction.push_back(static_cast<double>(c) / assignments);
@@ -162,7 +165,10 @@ std::vector<Tensor> MoE::forward(Args& args) {
   const Tensor& x = single_input(args, "MoE");
   TANDEM_CHECK(x.dim() >= 2 && x.shape().back() == d_model_,
                "[nn::MoE] expected an input of shape (…, {}), got {}", d_model_, x.shape());
-  Tensor tokens = reshape(x, Shape{-1, d_model_});  // (T, D)
+  int64_t T = 1;  // spelled out, not -1: a shard may hold no token
+  for (int i = 0; i + 1 < x.dim(); ++i)
+    T *= x.shape()[i];
+  Tensor tokens = reshape(x, Shape{T, d_model_});  // (T, D)
   MoERouting routing = route((*router_)(tokens), top_k_);
   MoEDispatchPlan plan = plan_dispatch(routing.indices, num_experts_);
   Tensor y;

@@ -68,7 +68,7 @@ Tensor combine_tokens(const Tensor& expert_out, const Tensor& weights, const MoE
 // Switch-Transformer load-balancing loss E * sum_e f_e * P_e, where f_e is the
 // fraction of the T*k assignments routed to expert e (constant) and P_e the
 // mean router probability of e over the tokens (differentiable). Equals 1
-// for perfectly uniform routing. A 0-d tensor of probs' dtype.
+// for perfectly uniform routing; 0 without tokens. A 0-d tensor of probs' dtype.
 Tensor load_balancing_loss(const Tensor& probs, const MoEDispatchPlan& plan);
 
 class MoE;

@@ -15,7 +15,7 @@ void check_last_dim(const Tensor& x, int64_t dim, const char* module) {
 }  // namespace
 
 LayerNorm::LayerNorm(int64_t dim, double eps) : Module("LayerNorm"), dim_(dim), eps_(eps) {
-  TANDEM_CHECK(dim > 0, "[nn::LayerNorm] expected a positive dim, got {}", dim);
+  TANDEM_CHECK(dim >= 0, "[nn::LayerNorm] expected a non-negative dim, got {}", dim);
   weight_ = ops::ones(Shape{dim});
   bias_ = ops::zeros(Shape{dim});
   register_parameter("weight", &weight_);
@@ -29,7 +29,7 @@ std::vector<Tensor> LayerNorm::forward(Args& args) {
 }
 
 RMSNorm::RMSNorm(int64_t dim, double eps) : Module("RMSNorm"), dim_(dim), eps_(eps) {
-  TANDEM_CHECK(dim > 0, "[nn::RMSNorm] expected a positive dim, got {}", dim);
+  TANDEM_CHECK(dim >= 0, "[nn::RMSNorm] expected a non-negative dim, got {}", dim);
   weight_ = ops::ones(Shape{dim});
   register_parameter("weight", &weight_);
 }

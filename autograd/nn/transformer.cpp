@@ -96,8 +96,8 @@ Tensor lm_loss(const Tensor& logits, const Tensor& targets, int64_t ignore_index
                    logits.shape()[1] == targets.shape()[1],
                "[nn::lm_loss] expected logits (B, S, V) and targets (B, S), got {} and {}",
                logits.shape(), targets.shape());
-  const int64_t V = logits.shape()[2];
-  return cross_entropy(reshape(logits, Shape{-1, V}), reshape(targets, Shape{-1}), ignore_index);
+  const int64_t V = logits.shape()[2], N = logits.shape()[0] * logits.shape()[1];
+  return cross_entropy(reshape(logits, Shape{N, V}), reshape(targets, Shape{N}), ignore_index);
 }
 
 }  // namespace tandem::nn

@@ -626,6 +626,57 @@ void ThreadsWork::on_completion(std::function<void()> fn) {
 
 }  // namespace
 
+namespace {
+
+// What one rank's function threw: `induced` when it only reports another
+// rank's failure (its group was aborted, or a peer left).
+struct RankFailure {
+  int rank = 0;
+  std::exception_ptr error;
+  bool induced = false;
+};
+
+// Rethrows `root` as an exception of its tandem type carrying `message`, so
+// that a caller catching TimeoutError or CommAbortedError still does.
+[[noreturn]] void rethrow_as(const std::exception_ptr& root, const std::string& message) {
+  try {
+    std::rethrow_exception(root);
+  } catch (const CommAbortedError&) {
+    throw CommAbortedError(message);
+  } catch (const TimeoutError&) {
+    throw TimeoutError(message);
+  } catch (...) {
+    throw Error(message);
+  }
+}
+
+// Note [Rank failure report]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Which rank fails first is a matter of timing, so run_ranks never reports
+// "the first" failure. One failing rank: its exception is rethrown as is.
+// Several: one exception lists every failing rank's message, root causes
+// (errors of the rank's own) in rank order, then the ranks that only failed
+// because a peer did (CommAbortedError), in rank order; its type is that of
+// the first root cause (Error for foreign exceptions).
+[[noreturn]] void report_failures(std::vector<RankFailure> failures, int world_size) {
+  std::stable_sort(failures.begin(), failures.end(),
+                   [](const RankFailure& a, const RankFailure& b) {
+                     return a.induced != b.induced ? !a.induced : a.rank < b.rank;
+                   });
+  if (failures.size() == 1) std::rethrow_exception(failures[0].error);
+  std::string message = fmt::format(
+      "[comm::run_ranks] expected every rank to succeed, got {} of {} failing (root "
+      "causes first, then ranks aborted by a peer's failure; each in rank order):",
+      failures.size(), world_size);
+  for (const RankFailure& f : failures) {
+    message +=
+        fmt::format("\n  rank {}{}: {}", f.rank, f.induced ? " (aborted)" : "", what_of(f.error));
+  }
+  rethrow_as(failures[0].error, message);
+}
+
+}  // namespace
+
 void run_ranks(int world_size, const std::function<void(ProcessGroupPtr)>& fn,
                ProcessGroupOptions options) {
   TANDEM_CHECK(world_size >= 1, "[comm::run_ranks] expected world_size >= 1, got {}", world_size);
@@ -634,7 +685,7 @@ void run_ranks(int world_size, const std::function<void(ProcessGroupPtr)>& fn,
   for (int r = 0; r < world_size; ++r)
     ranks[r] = r;
   std::mutex mu;
-  std::exception_ptr first, first_root_cause;
+  std::vector<RankFailure> failures;
   std::vector<std::thread> threads;
   // Tensors the caller made before this call, and those the ranks leave for
   // it, cross threads (Note [Thread hand-off]).
@@ -654,8 +705,7 @@ void run_ranks(int world_size, const std::function<void(ProcessGroupPtr)>& fn,
         bool induced = dynamic_cast<const CommAbortedError*>(&e) != nullptr;
         {
           std::lock_guard<std::mutex> lock(mu);
-          if (!first) first = std::current_exception();
-          if (!induced && !first_root_cause) first_root_cause = std::current_exception();
+          failures.push_back({r, std::current_exception(), induced});
         }
         world->abort_all(fmt::format("rank {} failed: {}", r, e.what()));
       }
@@ -663,8 +713,7 @@ void run_ranks(int world_size, const std::function<void(ProcessGroupPtr)>& fn,
   }
   for (auto& t : threads)
     t.join();
-  if (first_root_cause) std::rethrow_exception(first_root_cause);
-  if (first) std::rethrow_exception(first);
+  if (!failures.empty()) report_failures(std::move(failures), world_size);
 }
 
 }  // namespace tandem

@@ -56,13 +56,8 @@ int64_t round_up(int64_t x, int64_t m) {
 // ---- the micro-kernel ----
 
 // Keeps GCC from re-reading a B vector as a memory operand of each of the MR
-// FMAs that use it (one load instead of MR); only where a 64-byte vector is
-// one register.
-#if defined(__AVX512F__)
+// FMAs that use it (one load instead of MR).
 #define TANDEM_IN_REGISTER(v) __asm__("" : "+v"(v))
-#else
-#define TANDEM_IN_REGISTER(v) (void)0
-#endif
 
 // C[MR x NV*W] (= or +=) A[MR x k] B[k x NV*W]: A(i, p) = a[i * a_rs + p * a_cs],
 // B rows contiguous with stride ldb, C rows with stride ldc.
@@ -87,7 +82,7 @@ void tile_kernel(int64_t k, const T* a, int64_t a_rs, int64_t a_cs, const T* b, 
       Vec<T> av = simd::splat(ap[r * a_rs]);
       TANDEM_IN_REGISTER(av);
       for (int v = 0; v < NV; ++v)
-        acc[r][v] += av * bv[v];
+        acc[r][v] = simd::fma(av, bv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < MR; ++r) {
@@ -107,24 +102,30 @@ void rows_kernel(int64_t mr, int64_t k, const T* a, int64_t a_rs, int64_t a_cs, 
   tile_kernel<T, MR, NV>(k, a, a_rs, a_cs, b, ldb, c, ldc, accumulate);
 }
 
+// Register tiles (Note [SIMD width]): with 32 vector registers, 4 rows x 4
+// vectors, else 8 rows x 2 or 1 vectors (at most 16 accumulators); with 16,
+// 6 rows x 2 vectors (12 accumulators, 2 B vectors and a broadcast) or 8 x 1.
+constexpr bool kWideRegisters = simd::kVectorRegisters >= 32;
+constexpr int kRowsOf2 = kWideRegisters ? 8 : 6;
+
 // C[m x n] (= or +=) A[m x k] B[k x n] for n a multiple of the SIMD width.
-// Register tiles: 4 rows x 4 vectors, else 8 rows x 2 or 1 vectors (at most
-// 16 accumulators, under the 32 vector registers of AVX-512).
 template <class T>
 void gemm_small(int64_t m, int64_t n, int64_t k, const T* a, int64_t a_rs, int64_t a_cs, const T* b,
                 int64_t ldb, T* c, int64_t ldc, bool accumulate) {
   constexpr int64_t W = kWidth<T>;
   int64_t j = 0;
-  for (; j + 4 * W <= n; j += 4 * W) {
-    for (int64_t i = 0; i < m; i += 4) {
-      rows_kernel<T, 4, 4>(std::min<int64_t>(4, m - i), k, a + i * a_rs, a_rs, a_cs, b + j, ldb,
-                           c + i * ldc + j, ldc, accumulate);
+  if constexpr (kWideRegisters) {
+    for (; j + 4 * W <= n; j += 4 * W) {
+      for (int64_t i = 0; i < m; i += 4) {
+        rows_kernel<T, 4, 4>(std::min<int64_t>(4, m - i), k, a + i * a_rs, a_rs, a_cs, b + j, ldb,
+                             c + i * ldc + j, ldc, accumulate);
+      }
     }
   }
   for (; j + 2 * W <= n; j += 2 * W) {
-    for (int64_t i = 0; i < m; i += 8) {
-      rows_kernel<T, 8, 2>(std::min<int64_t>(8, m - i), k, a + i * a_rs, a_rs, a_cs, b + j, ldb,
-                           c + i * ldc + j, ldc, accumulate);
+    for (int64_t i = 0; i < m; i += kRowsOf2) {
+      rows_kernel<T, kRowsOf2, 2>(std::min<int64_t>(kRowsOf2, m - i), k, a + i * a_rs, a_rs, a_cs,
+                                  b + j, ldb, c + i * ldc + j, ldc, accumulate);
     }
   }
   for (; j < n; j += W) {

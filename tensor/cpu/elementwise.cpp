@@ -12,6 +12,7 @@
 #include "tensor/cpu/parallel.h"
 #include "tensor/cpu/simd.h"
 #include "tensor/kernels.h"
+#include "tensor/random.h"
 
 namespace tandem::cpu {
 namespace {
@@ -29,6 +30,12 @@ inline A gelu_tanh(A x) {
   const A k = static_cast<A>(0.7978845608028654);  // sqrt(2/pi)
   return static_cast<A>(0.5) * x *
          (static_cast<A>(1) + std::tanh(k * (x + static_cast<A>(0.044715) * x * x * x)));
+}
+
+template <class A>
+inline A gelu_erf(A x) {
+  const A inv_sqrt2 = static_cast<A>(0.7071067811865476);
+  return static_cast<A>(0.5) * x * (static_cast<A>(1) + std::erf(x * inv_sqrt2));
 }
 
 // Calls fn(functor) with the functor of `op` for arithmetic type A.
@@ -62,6 +69,10 @@ void with_unary(UnaryOp op, Fn&& fn) {
         return fn([](A x) { return gelu_tanh(x); });
       case UnaryOp::Silu:
         return fn([](A x) { return x / (A(1) + std::exp(-x)); });
+      case UnaryOp::Erf:
+        return fn([](A x) { return std::erf(x); });
+      case UnaryOp::GeluErf:
+        return fn([](A x) { return gelu_erf(x); });
       default:
         break;
     }
@@ -332,6 +343,25 @@ void swiglu_backward(const TensorArg& a, const TensorArg& b, const TensorArg& g,
         const A s = A(1) / (A(1) + std::exp(-x));
         pda[i] = static_cast<T>(gv * static_cast<A>(pb[i]) * (s * (A(1) + x * (A(1) - s))));
         pdb[i] = static_cast<T>(gv * x * s);
+      }
+    });
+  });
+}
+
+// Counter-based: element i's keep/drop depends only on (seed, offset + i),
+// so any chunking, the CUDA kernel and a recomputed forward agree.
+void dropout(const TensorArg& in, double p, uint64_t seed, uint64_t offset, const TensorArg& out) {
+  dispatch_floating(in.dtype, "dropout", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = acc_t<T>;
+    const T* pi = static_cast<const T*>(in.data);
+    T* po = static_cast<T*>(out.data);
+    const float threshold = static_cast<float>(p);
+    const A scale = static_cast<A>(1.0 / (1.0 - p));
+    for_range(out.numel, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const bool drop = philox_uniform(offset, seed, i) < threshold;
+        po[i] = static_cast<T>(drop ? A(0) : static_cast<A>(pi[i]) * scale);
       }
     });
   });

@@ -1,37 +1,40 @@
-// CPU GEMM: OpenBLAS (cblas) or, on AVX-512 builds, tandem's own f32 kernel;
-// split into row or column panels over the CPU kernel threads.
+// CPU GEMM: f32 products on tandem's own register-tiled kernel, f64 through
+// OpenBLAS (cblas); split over the CPU kernel threads.
 //
 // Note [CPU GEMM backend]
 // ~~~~~~~~~~~~~~~~~~~~~~~
-// OpenBLAS 0.3.21 (Debian bookworm) does not know AMD Zen 4/5 and runs its
-// AVX2 Haswell kernel there, which leaves half of an AVX-512 core unused:
-// 120-125 GFLOP/s on one Zen 5 core for the transformer block's shapes (1024
-// tokens x 256..1024, every transpose combination). Eigen's own product,
-// compiled with -march=native, reaches 165-175; the AVX-512 kernel below
-// 215-255 (what OpenBLAS's SkylakeX kernel reaches when forced with
-// OPENBLAS_CORETYPE). So f32 products use it when the build targets AVX-512
-// (tensor/meson.build compiles the library with -march=native) and cblas_sgemm
-// otherwise (on AVX2-only machines OpenBLAS is the fastest we have, TOOLCHAIN.md);
-// f64 (gradchecks) always goes through cblas_dgemm.
+// Every f32 product (and every 16-bit product, widened to f32) runs on the
+// kernel below, on every target: AVX-512, AVX2 and plain SSE2 builds differ
+// only in the register tile (Note [SIMD width] in simd.h). One kernel
+// everywhere is what makes the promise below hold on every CPU; routing AVX2
+// builds to OpenBLAS, as this file once did, gave a batched product other bits
+// than the same product alone, because OpenBLAS blocks by the shape of the
+// panel it is handed. OpenBLAS 0.3.21 also does not know AMD Zen 4/5 and runs
+// its AVX2 kernel there. f64 (gradchecks) goes through cblas_dgemm.
 //
-// The kernel is the BLIS/GotoBLAS scheme for row-major C: for each block of
-// kKC steps of k and kNC columns, B is packed into kNR-column micro-panels
-// (kKC x kNC floats: 512 KiB, in L2); then for each kMR-row micro-panel of A
-// (read in place, 12 KiB, stays in L1), a 12 x 32 register tile of C is
-// computed per B micro-panel: each k step loads two B vectors, broadcasts 12
-// A values and issues 24 FMAs into 24 of the 32 zmm registers. Partial tiles
-// pack A's last rows into a zero-padded panel and store C through lane masks.
-// k blocks after the first accumulate into C (alpha applies to each block).
+// The kernel is the BLIS/GotoBLAS scheme for row-major C: for each block of kKC
+// steps of k, A is packed into kMR-row micro-panels (up to kMC rows at a time,
+// packed once for every block of columns); for each block of kNC columns, B is
+// packed into kNR-column micro-panels (kKC x kNC floats, meant to stay in L2);
+// then for each micro-panel of A (kMR x kKC floats, stays in L1), a kMR x kNR
+// register tile of C is computed per B micro-panel: each k step loads kNV B
+// vectors, broadcasts kMR A values and issues kMR * kNV FMAs. The tile is the
+// largest that leaves registers for the B vectors and one broadcast: 12 x 2 zmm
+// (24 accumulators of 32 registers) on AVX-512, 6 x 2 ymm (12 of 16) on AVX2, 6
+// x 2 xmm on SSE2. A's last rows are zero-padded in their panel, and the right
+// edge of C goes through a row buffer. k blocks after the first accumulate into
+// C (alpha applies to each block).
 //
-// Threads (Note [CPU kernel threads]): the AVX-512 kernel packs each block of
-// B once, the threads sharing the packing, and then hands out row tiles of C;
-// every element of C is summed in the same order whichever thread computes
-// it, so its products have the same bits at any thread count. Through BLAS, a
-// product is split into panels of C rows (or columns, when C is wider than
-// tall), each computed single-threaded by one chunk, whose blocking depends on
-// the panel: the same bits at a given thread count. A batch is split by item.
-//
-// 16-bit inputs are widened to f32, multiplied, and rounded on store.
+// The promise, on every target: every element of C is the sum over its k blocks
+// in block order, each block's terms accumulated in k order into one lane,
+// whichever thread computes its tile and whether the product is alone or an
+// item of a batch. So an f32 product has the same bits at any thread count,
+// batched or not (tests/tensor/test_matmul.cpp checks both). Threads (Note [CPU
+// kernel threads]) share the packing of each block of A and of B and then take
+// row tiles of C; a batch is split by item. f64 products through BLAS are split
+// into panels of C rows (or columns, when C is wider than tall), each computed
+// single-threaded by one chunk whose blocking depends on the panel: the same
+// bits at a given thread count, not across thread counts.
 #include <cblas.h>
 
 #include <algorithm>
@@ -39,11 +42,8 @@
 #include <vector>
 
 #include "tensor/cpu/parallel.h"
+#include "tensor/cpu/simd.h"
 #include "tensor/kernels.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace tandem::cpu {
 namespace {
@@ -51,50 +51,74 @@ namespace {
 // Below this many multiply-adds a product stays on one thread.
 constexpr int64_t kParallelMacs = int64_t{1} << 18;
 
-#if defined(__AVX512F__)
-constexpr bool kOwnF32 = true;
-
-constexpr int64_t kMR = 12, kNR = 32, kKC = 256, kNC = 512;
+using simd::VecF;
+constexpr int64_t kW = simd::kWidth<float>;
+// The register tile (Note [CPU GEMM backend]): kMR rows x kNV vectors.
+constexpr int64_t kNV = 2;
+constexpr int64_t kMR = simd::kVectorRegisters >= 32 ? 12 : 6;
+constexpr int64_t kNR = kNV * kW;
+static_assert(kMR * kNV + kNV + 1 <= simd::kVectorRegisters, "the tile must fit the registers");
+constexpr int64_t kKC = 256;
+constexpr int64_t kNC = simd::kVectorRegisters >= 32 ? 512 : 256;
+// Rows of A packed at a time (kMC x kKC floats: 2 MiB at most).
+constexpr int64_t kMC = 1024 / kMR * kMR;
 
 // Keeps GCC from re-reading `v` as a memory operand of every FMA that uses it.
 #define TANDEM_IN_REGISTER(v) __asm__("" : "+v"(v))
 
-// C[mr x nr] = alpha * A B + (load_c ? beta * C : 0) for one 12 x 32 tile:
-// A(r, p) at a[r * lda + p] (kRowMajorA) or a[p * lda + r]; bp is a packed B
-// micro-panel [kc][32].
-template <bool kRowMajorA>
-void micro_kernel(int64_t kc, const float* a, int64_t lda, const float* bp, float* c, int64_t ldc,
-                  int64_t mr, int64_t nr, float alpha, float beta, bool load_c) {
-  __m512 acc[kMR][2];
-  for (int r = 0; r < kMR; ++r)
-    acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+// Row r of a tile: out[0, nr) = alpha * acc (+ beta * out when load_c).
+inline void store_row(const VecF* acc, float* out, int64_t nr, float alpha, float beta,
+                      bool load_c) {
+  const VecF va = simd::splat(alpha), vb = simd::splat(beta);
+  if (nr == kNR) {
+    for (int64_t v = 0; v < kNV; ++v) {
+      VecF x = acc[v] * va;
+      if (load_c) x = simd::fma(vb, simd::load(out + v * kW), x);
+      simd::store(out + v * kW, x);
+    }
+    return;
+  }
+  alignas(64) float row[kNR] = {};  // the right edge: through a buffer
+  if (load_c) std::memcpy(row, out, static_cast<size_t>(nr) * sizeof(float));
+  for (int64_t v = 0; v < kNV; ++v) {
+    VecF x = acc[v] * va;
+    if (load_c) x = simd::fma(vb, simd::load(row + v * kW), x);
+    simd::store(row + v * kW, x);
+  }
+  std::memcpy(out, row, static_cast<size_t>(nr) * sizeof(float));
+}
+
+// C[mr x nr] = alpha * A B + (load_c ? beta * C : 0) for one kMR x kNR tile:
+// ap is a packed A micro-panel [kc][kMR], bp a packed B micro-panel [kc][kNR].
+void micro_kernel(int64_t kc, const float* ap, const float* bp, float* c, int64_t ldc, int64_t mr,
+                  int64_t nr, float alpha, float beta, bool load_c) {
+  if (load_c) {  // C's rows are far apart: start their loads before the k loop
+    for (int64_t r = 0; r < mr; ++r) {
+      for (int64_t v = 0; v < kNR; v += 64 / static_cast<int64_t>(sizeof(float)))
+        __builtin_prefetch(c + r * ldc + v, 1, 2);
+    }
+  }
+  VecF acc[kMR][kNV];
+  for (int64_t r = 0; r < kMR; ++r) {
+    for (int64_t v = 0; v < kNV; ++v)
+      acc[r][v] = VecF{};
+  }
   for (int64_t p = 0; p < kc; ++p) {
-    __m512 b0 = _mm512_loadu_ps(bp + p * kNR), b1 = _mm512_loadu_ps(bp + p * kNR + 16);
-    TANDEM_IN_REGISTER(b0);
-    TANDEM_IN_REGISTER(b1);
+    VecF b[kNV];
+    for (int64_t v = 0; v < kNV; ++v) {
+      b[v] = simd::load(bp + p * kNR + v * kW);
+      TANDEM_IN_REGISTER(b[v]);
+    }
 #pragma GCC unroll 12
-    for (int r = 0; r < kMR; ++r) {
-      __m512 av = _mm512_set1_ps(kRowMajorA ? a[r * lda + p] : a[p * lda + r]);
+    for (int64_t r = 0; r < kMR; ++r) {
+      VecF av = simd::splat(ap[p * kMR + r]);
       TANDEM_IN_REGISTER(av);
-      acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+      for (int64_t v = 0; v < kNV; ++v)
+        acc[r][v] = simd::fma(av, b[v], acc[r][v]);
     }
   }
-  const __mmask16 m0 = nr >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nr) - 1);
-  const __mmask16 m1 = nr >= 32   ? 0xFFFF
-                       : nr <= 16 ? 0
-                                  : static_cast<__mmask16>((1u << (nr - 16)) - 1);
-  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
-  for (int r = 0; r < kMR && r < mr; ++r) {
-    float* cr = c + r * ldc;
-    __m512 v0 = _mm512_mul_ps(acc[r][0], va), v1 = _mm512_mul_ps(acc[r][1], va);
-    if (load_c) {
-      v0 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m0, cr), v0);
-      v1 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m1, cr + 16), v1);
-    }
-    _mm512_mask_storeu_ps(cr, m0, v0);
-    _mm512_mask_storeu_ps(cr + 16, m1, v1);
-  }
+  for (int64_t r = 0; r < mr; ++r)
+    store_row(acc[r], c + r * ldc, nr, alpha, beta, load_c);
 }
 
 // Micro-panels [p0, p1) of B[pc:pc+kc, jc:jc+nc] (B(p, j) at b[p * ldb + j], or
@@ -104,7 +128,13 @@ void pack_b(const float* b, int64_t ldb, bool trans, int64_t pc, int64_t kc, int
   for (int64_t panel = p0; panel < p1; ++panel) {
     const int64_t j0 = panel * kNR, nr = std::min(kNR, nc - j0);
     float* d = dst + panel * kc * kNR;
-    if (!trans) {
+    if (!trans && nr == kNR) {
+      for (int64_t p = 0; p < kc; ++p) {
+        const float* src = b + (pc + p) * ldb + jc + j0;
+        for (int64_t v = 0; v < kNV; ++v)
+          simd::store(d + p * kNR + v * kW, simd::load(src + v * kW));
+      }
+    } else if (!trans) {
       for (int64_t p = 0; p < kc; ++p) {
         const float* src = b + (pc + p) * ldb + jc + j0;
         std::memcpy(d + p * kNR, src, static_cast<size_t>(nr) * sizeof(float));
@@ -120,76 +150,88 @@ void pack_b(const float* b, int64_t ldb, bool trans, int64_t pc, int64_t kc, int
   }
 }
 
+// A's rows [i0, i0+mr) and k steps [pc, pc+kc) as a [kc][kMR] panel, zero
+// past mr (Note [CPU GEMM backend]: packed so that the kernel reads it
+// contiguously; in place, the rows of a matrix whose row stride is a multiple
+// of 4 KiB fall into the same L1 sets and evict each other).
+void pack_a(const float* a, int64_t lda, bool trans, int64_t i0, int64_t mr, int64_t pc, int64_t kc,
+            float* dst) {
+  if (trans) {  // A(i, p) at a[p * lda + i]: each k step's rows are contiguous
+    for (int64_t p = 0; p < kc; ++p) {
+      const float* src = a + (pc + p) * lda + i0;
+      std::memcpy(dst + p * kMR, src, static_cast<size_t>(mr) * sizeof(float));
+      std::fill(dst + p * kMR + mr, dst + (p + 1) * kMR, 0.0f);
+    }
+    return;
+  }
+  for (int64_t r = 0; r < kMR; ++r) {
+    const float* src = a + (i0 + r) * lda + pc;
+    for (int64_t p = 0; p < kc; ++p)
+      dst[p * kMR + r] = r < mr ? src[p] : 0.0f;
+  }
+}
+
 // Row tiles [t0, t1) of C for one packed block of B (k steps [pc, pc+kc),
-// columns [jc, jc+nc)).
-void compute_tiles(const float* a, const float* bp, float* c, int64_t m, int64_t pc, int64_t kc,
-                   int64_t jc, int64_t nc, const GemmArgs& g, int64_t lda, int64_t ldc, int64_t t0,
-                   int64_t t1) {
-  thread_local std::vector<float> a_buf(static_cast<size_t>(kKC * kMR));
-  float* ap_pad = a_buf.data();
+// columns [jc, jc+nc)); ap holds the packed A panels of the tiles from t_base
+// on, kc x kMR floats each.
+void compute_tiles(const float* ap, int64_t t_base, const float* bp, float* c, int64_t m,
+                   int64_t pc, int64_t kc, int64_t jc, int64_t nc, const GemmArgs& g, int64_t ldc,
+                   int64_t t0, int64_t t1) {
   const bool first = pc == 0;
   const bool load_c = !first || g.beta != 0.0f;
   const float beta = first ? g.beta : 1.0f;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t i0 = t * kMR, mr = std::min(kMR, m - i0);
-    const float* ap = nullptr;
-    int64_t alda = lda;
-    bool row_major = false;
-    if (mr == kMR) {
-      row_major = !g.trans_a;
-      ap = g.trans_a ? a + pc * lda + i0 : a + i0 * lda + pc;
-    } else {  // the last rows: a zero-padded [kc][kMR] panel
-      for (int64_t p = 0; p < kc; ++p) {
-        for (int64_t r = 0; r < kMR; ++r) {
-          ap_pad[p * kMR + r] =
-              r >= mr ? 0.0f
-                      : (g.trans_a ? a[(pc + p) * lda + i0 + r] : a[(i0 + r) * lda + pc + p]);
-        }
-      }
-      ap = ap_pad;
-      alda = kMR;
-    }
+    const float* at = ap + (t - t_base) * kc * kMR;
     for (int64_t j0 = 0; j0 < nc; j0 += kNR) {
       const float* bpp = bp + (j0 / kNR) * kc * kNR;
       float* cc = c + i0 * ldc + jc + j0;
       const int64_t nr = std::min(kNR, nc - j0);
-      if (row_major) {
-        micro_kernel<true>(kc, ap, alda, bpp, cc, ldc, mr, nr, g.alpha, beta, load_c);
-      } else {
-        micro_kernel<false>(kc, ap, alda, bpp, cc, ldc, mr, nr, g.alpha, beta, load_c);
-      }
+      micro_kernel(kc, at, bpp, cc, ldc, mr, nr, g.alpha, beta, load_c);
     }
   }
 }
 
-// The AVX-512 product of Note [CPU GEMM backend] (k > 0): per block of B, the
-// threads pack its micro-panels, then take row tiles of C.
+// The f32 product of Note [CPU GEMM backend] (k > 0). Per block of k steps,
+// the A panels of up to kMC rows are packed once (the threads share the
+// packing) and serve every block of columns; per block of B, the threads pack
+// its micro-panels, then take row tiles of C.
 void own_sgemm(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k,
                const GemmArgs& g, int64_t lda, int64_t ldb, int64_t ldc) {
+  // The caller's buffers; the workers read them within the call.
   thread_local std::vector<float> b_buf(static_cast<size_t>(kKC * kNC));
-  float* bp = b_buf.data();  // the caller's; the workers read it within the call
+  thread_local std::vector<float> a_buf;
+  float* bp = b_buf.data();
   const int64_t tiles = (m + kMR - 1) / kMR;
+  const int64_t mc_tiles = std::min(tiles, kMC / kMR);
+  if (a_buf.size() < static_cast<size_t>(mc_tiles * kMR * kKC)) {
+    a_buf.resize(static_cast<size_t>(mc_tiles * kMR * kKC));
+  }
+  float* ap = a_buf.data();
   const int64_t tile_grain =
       std::max<int64_t>(1, kParallelMacs / (kMR * std::min(n, kNC) * std::min(k, kKC)));
   for (int64_t pc = 0; pc < k; pc += kKC) {
     const int64_t kc = std::min(kKC, k - pc);
-    for (int64_t jc = 0; jc < n; jc += kNC) {
-      const int64_t nc = std::min(kNC, n - jc);
-      parallel_for((nc + kNR - 1) / kNR, 4, [&](int64_t p0, int64_t p1) {
-        pack_b(b, ldb, g.trans_b, pc, kc, jc, nc, p0, p1, bp);
+    for (int64_t tc = 0; tc < tiles; tc += mc_tiles) {
+      const int64_t tc_end = std::min(tiles, tc + mc_tiles);
+      parallel_for(tc_end - tc, 4, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = tc + t0; t < tc + t1; ++t) {
+          pack_a(a, lda, g.trans_a, t * kMR, std::min(kMR, m - t * kMR), pc, kc,
+                 ap + (t - tc) * kc * kMR);
+        }
       });
-      parallel_for(tiles, tile_grain, [&](int64_t t0, int64_t t1) {
-        compute_tiles(a, bp, c, m, pc, kc, jc, nc, g, lda, ldc, t0, t1);
-      });
+      for (int64_t jc = 0; jc < n; jc += kNC) {
+        const int64_t nc = std::min(kNC, n - jc);
+        parallel_for((nc + kNR - 1) / kNR, 4, [&](int64_t p0, int64_t p1) {
+          pack_b(b, ldb, g.trans_b, pc, kc, jc, nc, p0, p1, bp);
+        });
+        parallel_for(tc_end - tc, tile_grain, [&](int64_t t0, int64_t t1) {
+          compute_tiles(ap, tc, bp, c, m, pc, kc, jc, nc, g, ldc, tc + t0, tc + t1);
+        });
+      }
     }
   }
 }
-#else
-constexpr bool kOwnF32 = false;
-constexpr int64_t kMR = 12, kNR = 32;
-void own_sgemm(const float*, const float*, float*, int64_t, int64_t, int64_t, const GemmArgs&,
-               int64_t, int64_t, int64_t) {}
-#endif
 
 template <class A>
 void blas_gemm(const A* a, const A* b, A* c, int64_t m, int64_t n, int64_t k, const GemmArgs& g,
@@ -227,7 +269,7 @@ void gemm_one(const A* a, const A* b, A* c, const GemmArgs& g, int64_t lda, int6
               int64_t ldc) {
   const int64_t m = g.m, n = g.n, k = g.k;
   if constexpr (std::is_same_v<A, float>) {
-    if (kOwnF32 && k > 0) return own_sgemm(a, b, c, m, n, k, g, lda, ldb, ldc);  // threads inside
+    if (k > 0) return own_sgemm(a, b, c, m, n, k, g, lda, ldb, ldc);  // threads inside
   }
   const bool split_rows = m >= n;
   const int64_t extent = split_rows ? m : n;

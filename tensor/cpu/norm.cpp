@@ -3,7 +3,8 @@
 // tensor/ops_nn.cpp).
 //
 // Statistics are accumulated in acc_t<T> (f32 for the 16-bit types, f64 for
-// f64). layer_norm takes the variance in a second pass over the centred row
+// f64), in the order of Note [Cascade summation] (tensor/cpu/cascade.h).
+// layer_norm takes the variance in a second pass over the centred row
 // rather than E[x^2] - E[x]^2, which cancels catastrophically when |mean| is
 // large next to the spread. mean and rstd are stored as f32 whatever T is,
 // because that is what the backward pass and the CUDA kernels exchange.
@@ -18,12 +19,14 @@
 //   dweight = sum_rows(dy * xhat),   dbias = sum_rows(dy).
 // A row is read twice (sums, then dx) while it is still in L1. The column
 // sums are taken per fixed block of kRowBlock rows and the block partials
-// added in block order, so dweight and dbias have the same bits at any thread
+// added pairwise (Note [Cascade summation]: groups of 2^j blocks per task,
+// then the group sums), so dweight and dbias have the same bits at any thread
 // count (Note [CPU kernel threads]).
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "tensor/cpu/cascade.h"
 #include "tensor/cpu/parallel.h"
 #include "tensor/cpu/simd.h"
 #include "tensor/kernels.h"
@@ -33,7 +36,8 @@ namespace {
 
 using simd::Vec;
 
-constexpr int64_t kRowBlock = 32;
+// A norm backward is split into at most this many groups of row blocks.
+constexpr int64_t kMaxGroups = 64;
 
 // W consecutive elements of T as a vector of A (converting 16-bit types).
 template <class A, class T>
@@ -78,7 +82,6 @@ void layer_norm(const TensorArg& x, const TensorArg& weight, const TensorArg& bi
   dispatch_floating(x.dtype, "layer_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
     using A = acc_t<T>;
-    constexpr int64_t W = simd::kWidth<A>;
     const T* xp = static_cast<const T*>(x.data);
     const std::vector<A> w = param_as<A, T>(weight, d), b = param_as<A, T>(bias, d);
     T* op = static_cast<T*>(out.data);
@@ -86,28 +89,16 @@ void layer_norm(const TensorArg& x, const TensorArg& weight, const TensorArg& bi
     float* rstd_p = static_cast<float*>(rstd.data);
     // An empty row has no statistics; mean 0 keeps the outputs finite.
     const A inv_d = d > 0 ? A(1) / static_cast<A>(d) : A(0);
-    const int64_t dv = d / W * W;  // the vectorised part of a row
     parallel_for(rows, row_grain(d), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const T* row = xp + r * d;
         T* orow = op + r * d;
-        Vec<A> vsum{};
-        for (int64_t j = 0; j < dv; j += W)
-          vsum += load_as<A>(row + j);
-        A sum = simd::reduce_add(vsum);
-        for (int64_t j = dv; j < d; ++j)
-          sum += static_cast<A>(row[j]);
+        const A sum = cascade_sum<A>(d, [row](int64_t j) { return static_cast<A>(row[j]); });
         const A mu = sum * inv_d;
-        Vec<A> vsq{};
-        for (int64_t j = 0; j < dv; j += W) {
-          const Vec<A> c = load_as<A>(row + j) - mu;
-          vsq += c * c;
-        }
-        A sq = simd::reduce_add(vsq);
-        for (int64_t j = dv; j < d; ++j) {
+        const A sq = cascade_sum<A>(d, [row, mu](int64_t j) {
           const A c = static_cast<A>(row[j]) - mu;
-          sq += c * c;
-        }
+          return c * c;
+        });
         const A rs = A(1) / std::sqrt(sq * inv_d + static_cast<A>(eps));
         for (int64_t j = 0; j < d; ++j) {
           A y = (static_cast<A>(row[j]) - mu) * rs;
@@ -127,27 +118,19 @@ void rms_norm(const TensorArg& x, const TensorArg& weight, double eps, int64_t r
   dispatch_floating(x.dtype, "rms_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
     using A = acc_t<T>;
-    constexpr int64_t W = simd::kWidth<A>;
     const T* xp = static_cast<const T*>(x.data);
     const std::vector<A> w = param_as<A, T>(weight, d);
     T* op = static_cast<T*>(out.data);
     float* rstd_p = static_cast<float*>(rstd.data);
     const A inv_d = d > 0 ? A(1) / static_cast<A>(d) : A(0);
-    const int64_t dv = d / W * W;
     parallel_for(rows, row_grain(d), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const T* row = xp + r * d;
         T* orow = op + r * d;
-        Vec<A> vsq{};
-        for (int64_t j = 0; j < dv; j += W) {
-          const Vec<A> v = load_as<A>(row + j);
-          vsq += v * v;
-        }
-        A sq = simd::reduce_add(vsq);
-        for (int64_t j = dv; j < d; ++j) {
+        const A sq = cascade_sum<A>(d, [row](int64_t j) {
           const A v = static_cast<A>(row[j]);
-          sq += v * v;
-        }
+          return v * v;
+        });
         const A rs = A(1) / std::sqrt(sq * inv_d + static_cast<A>(eps));
         for (int64_t j = 0; j < d; ++j) {
           A y = static_cast<A>(row[j]) * rs;
@@ -178,73 +161,76 @@ void norm_backward(const TensorArg& dy, const TensorArg& x, const TensorArg& wei
     const A inv_d = d > 0 ? A(1) / static_cast<A>(d) : A(0);
     const int64_t dv = d / W * W;
     const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
-    // Per block: the dweight partial, then the dbias partial.
+    // Tasks of per_group row blocks (Note [Cascade summation]).
+    const int64_t per_group = blocks_per_group(blocks, kMaxGroups);
+    const int64_t groups = (blocks + per_group - 1) / per_group;
+    // Per group: the dweight partial, then the dbias partial.
     const int64_t stride = (want_w ? d : 0) + (want_b ? d : 0);
-    std::vector<A> partial(static_cast<size_t>(blocks * stride), A(0));
+    std::vector<A> partial(static_cast<size_t>(groups * stride), A(0));
     std::vector<A> ones;
     if (w.empty()) ones.assign(static_cast<size_t>(d), A(1));
     const A* wp = w.empty() ? ones.data() : w.data();
-    const int64_t grain = std::max<int64_t>(1, row_grain(d) / kRowBlock);
-    parallel_for(blocks, grain, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        A* pw = partial.data() + blk * stride;
-        A* pb = pw + (want_w ? d : 0);
-        const int64_t r_end = std::min(rows, (blk + 1) * kRowBlock);
-        for (int64_t r = blk * kRowBlock; r < r_end; ++r) {
-          const T* xr = xp + r * d;
-          const T* gr = gp + r * d;
-          T* dxr = dxp + r * d;
-          const A mu = mean_p != nullptr ? static_cast<A>(mean_p[r]) : A(0);
-          const A rs = static_cast<A>(rstd_p[r]);
-          // Pass 1: row sums of gw and gw * xhat, and the column partials.
-          Vec<A> v1{}, v2{};
-          for (int64_t j = 0; j < dv; j += W) {
-            const Vec<A> xh = (load_as<A>(xr + j) - mu) * rs;
-            const Vec<A> g = load_as<A>(gr + j);
-            const Vec<A> gw = g * simd::load(wp + j);
-            v1 += gw;
-            v2 += gw * xh;
-            if (want_w) simd::store(pw + j, simd::load(pw + j) + g * xh);
-            if (want_b) simd::store(pb + j, simd::load(pb + j) + g);
+    const int64_t grain = std::max<int64_t>(1, row_grain(d) / (kRowBlock * per_group));
+    parallel_for(groups, grain, [&](int64_t g0, int64_t g1) {
+      std::vector<A> block(static_cast<size_t>(stride));
+      for (int64_t grp = g0; grp < g1; ++grp) {
+        PairwiseColumns<A> columns(stride);
+        const int64_t blk_end = std::min(blocks, (grp + 1) * per_group);
+        for (int64_t blk = grp * per_group; blk < blk_end; ++blk) {
+          std::fill(block.begin(), block.end(), A(0));
+          A* pw = block.data();
+          A* pb = pw + (want_w ? d : 0);
+          const int64_t r_end = std::min(rows, (blk + 1) * kRowBlock);
+          for (int64_t r = blk * kRowBlock; r < r_end; ++r) {
+            const T* xr = xp + r * d;
+            const T* gr = gp + r * d;
+            T* dxr = dxp + r * d;
+            const A mu = mean_p != nullptr ? static_cast<A>(mean_p[r]) : A(0);
+            const A rs = static_cast<A>(rstd_p[r]);
+            // Pass 1: row sums of gw and gw * xhat, and the column partials.
+            const A s1 = mean_p == nullptr ? A(0) : cascade_sum<A>(d, [&](int64_t j) {
+              return static_cast<A>(gr[j]) * wp[j];
+            });
+            const A s2 = cascade_sum<A>(d, [&](int64_t j) {
+              return static_cast<A>(gr[j]) * wp[j] * ((static_cast<A>(xr[j]) - mu) * rs);
+            });
+            for (int64_t j = 0; j < dv; j += W) {
+              const Vec<A> g = load_as<A>(gr + j);
+              if (want_w)
+                simd::store(pw + j, simd::load(pw + j) + g * ((load_as<A>(xr + j) - mu) * rs));
+              if (want_b) simd::store(pb + j, simd::load(pb + j) + g);
+            }
+            for (int64_t j = dv; j < d; ++j) {
+              const A g = static_cast<A>(gr[j]);
+              if (want_w) pw[j] += g * ((static_cast<A>(xr[j]) - mu) * rs);
+              if (want_b) pb[j] += g;
+            }
+            const A m1 = s1 * inv_d;
+            const A m2 = s2 * inv_d;
+            // Pass 2: dx.
+            for (int64_t j = 0; j < dv; j += W) {
+              const Vec<A> xh = (load_as<A>(xr + j) - mu) * rs;
+              const Vec<A> gw = load_as<A>(gr + j) * simd::load(wp + j);
+              store_as<A>(dxr + j, (gw - m1 - xh * m2) * rs);
+            }
+            for (int64_t j = dv; j < d; ++j) {
+              const A xh = (static_cast<A>(xr[j]) - mu) * rs;
+              const A gw = static_cast<A>(gr[j]) * wp[j];
+              dxr[j] = static_cast<T>((gw - m1 - xh * m2) * rs);
+            }
           }
-          A s1 = simd::reduce_add(v1), s2 = simd::reduce_add(v2);
-          for (int64_t j = dv; j < d; ++j) {
-            const A xh = (static_cast<A>(xr[j]) - mu) * rs;
-            const A g = static_cast<A>(gr[j]);
-            const A gw = g * wp[j];
-            s1 += gw;
-            s2 += gw * xh;
-            if (want_w) pw[j] += g * xh;
-            if (want_b) pb[j] += g;
-          }
-          const A m1 = mean_p != nullptr ? s1 * inv_d : A(0);
-          const A m2 = s2 * inv_d;
-          // Pass 2: dx.
-          for (int64_t j = 0; j < dv; j += W) {
-            const Vec<A> xh = (load_as<A>(xr + j) - mu) * rs;
-            const Vec<A> gw = load_as<A>(gr + j) * simd::load(wp + j);
-            store_as<A>(dxr + j, (gw - m1 - xh * m2) * rs);
-          }
-          for (int64_t j = dv; j < d; ++j) {
-            const A xh = (static_cast<A>(xr[j]) - mu) * rs;
-            const A gw = static_cast<A>(gr[j]) * wp[j];
-            dxr[j] = static_cast<T>((gw - m1 - xh * m2) * rs);
-          }
+          columns.add(block.data());
         }
+        columns.total(partial.data() + grp * stride);
       }
     });
-    // Column sums in block order.
-    auto reduce_into = [&](const TensorArg& target, int64_t offset) {
-      A* out = static_cast<A*>(target.data);
-      std::fill(out, out + d, A(0));
-      for (int64_t blk = 0; blk < blocks; ++blk) {
-        const A* src = partial.data() + blk * stride + offset;
-        for (int64_t j = 0; j < d; ++j)
-          out[j] += src[j];
-      }
-    };
-    if (want_w) reduce_into(dweight, 0);
-    if (want_b) reduce_into(dbias, want_w ? d : 0);
+    // The group sums, pairwise.
+    std::vector<A> total(static_cast<size_t>(stride));
+    pairwise_sum_columns(partial.data(), groups, stride, stride, total.data());
+    if (want_w) std::copy(total.begin(), total.begin() + d, static_cast<A*>(dweight.data));
+    if (want_b) {
+      std::copy(total.begin() + (want_w ? d : 0), total.end(), static_cast<A*>(dbias.data));
+    }
   });
 }
 

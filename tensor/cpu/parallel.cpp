@@ -13,6 +13,7 @@
 // argument needs a worker's increment of running_ to be ordered before its
 // claim, and the caller's close before its read of running_.
 #include "tensor/cpu/parallel.h"
+#include "tensor/cpu/simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -202,6 +203,15 @@ void set_num_threads(int n) {
 
 int num_threads() {
   return in_chunk ? 1 : pool().threads();
+}
+
+const char* vector_isa() {
+  if constexpr (simd::kVectorBytes == 64) return "avx512";
+#if defined(__AVX2__)
+  if constexpr (simd::kVectorBytes == 32) return "avx2";
+#endif
+  if constexpr (simd::kVectorBytes == 32) return "avx";
+  return "sse2";
 }
 
 namespace detail {

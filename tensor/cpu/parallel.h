@@ -35,6 +35,8 @@ namespace tandem::cpu {
 // Threads of the pool, the caller included (>= 1).
 void set_num_threads(int n);
 int num_threads();
+// Note [SIMD width] in simd.h: "avx512", "avx2", "avx" or "sse2".
+const char* vector_isa();
 
 namespace detail {
 using ChunkFn = void (*)(void* ctx, int64_t begin, int64_t end);

@@ -1,7 +1,23 @@
 // Portable SIMD helpers for the CPU kernels: GCC/Clang vector extensions of
-// one 64-byte register (16 floats, 8 doubles), which -march=native lowers to
-// one AVX-512 register, two AVX2 registers or four SSE registers, and a
-// vectorised exp for f32.
+// one vector register of the target the build selects (Note [SIMD width]),
+// a fused multiply-add, and a vectorised exp for f32.
+//
+// Note [SIMD width]
+// ~~~~~~~~~~~~~~~~~
+// A vector here is exactly one register of the build's target: 64 bytes (one
+// zmm) when it has AVX-512F, 32 bytes (one ymm) with AVX, 16 bytes (one xmm)
+// otherwise; kVectorRegisters says how many there are (32 zmm, 16 ymm or xmm).
+// Register-tiled kernels (tensor/cpu/gemm.cpp, the attention micro-kernel) size
+// their tiles from these two numbers, so that accumulators, loaded operands
+// and a broadcast fit the register file on every target: a tile written for
+// 32 zmm runs at a fraction of its speed on AVX2, where each 64-byte vector is
+// two ymm and half of the tile spills to the stack. -Dcpu_arch selects the
+// target (tensor/meson.build).
+//
+// The build is ISO C++ (-std=c++20), in which GCC does not contract a * b + c
+// into an FMA; kernels that want one call simd::fma, which uses the FMA
+// instruction wherever the target has it and a * b + c elsewhere. Either way
+// the result depends only on the build, never on the data or the thread count.
 //
 // Note [Vectorised exp]
 // ~~~~~~~~~~~~~~~~~~~~~
@@ -22,16 +38,32 @@
 #include <type_traits>
 #include <utility>
 
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace tandem::cpu::simd {
+
+// Note [SIMD width].
+#if defined(__AVX512F__)
+inline constexpr int64_t kVectorBytes = 64;
+inline constexpr int kVectorRegisters = 32;
+#elif defined(__AVX__)
+inline constexpr int64_t kVectorBytes = 32;
+inline constexpr int kVectorRegisters = 16;
+#else
+inline constexpr int64_t kVectorBytes = 16;
+inline constexpr int kVectorRegisters = 16;
+#endif
 
 template <class T>
 struct VecOf {
-  typedef T type __attribute__((vector_size(64)));
+  typedef T type __attribute__((vector_size(kVectorBytes)));
 };
 template <class T>
 using Vec = typename VecOf<T>::type;
 template <class T>
-constexpr int64_t kWidth = 64 / static_cast<int64_t>(sizeof(T));
+constexpr int64_t kWidth = kVectorBytes / static_cast<int64_t>(sizeof(T));
 
 using VecF = Vec<float>;
 using VecI = Vec<int32_t>;
@@ -46,9 +78,12 @@ template <class T>
 inline void store(T* p, Vec<T> v) {
   std::memcpy(p, &v, sizeof v);
 }
+// x in every lane. Written as x - 0, which GCC folds to a plain broadcast
+// (a broadcast load when x comes from memory); 0 + x is not folded (it would
+// turn -0 into +0), and costs an add and a register broadcast per call.
 template <class T>
 inline Vec<T> splat(T x) {
-  return Vec<T>{} + x;
+  return x - Vec<T>{};
 }
 // The first n (< width) lanes of p, the rest `fill`.
 template <class T>
@@ -87,6 +122,31 @@ inline Elem<V> reduce_max(V v) {
 template <class V>
 inline V max(V a, V b) {
   return a > b ? a : b;
+}
+
+// a * b + c, fused where the target has FMA (Note [SIMD width]).
+template <class V>
+inline V fma(V a, V b, V c) {
+  using E = Elem<V>;
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64 && std::is_same_v<E, float>) {
+    return reinterpret_cast<V>(_mm512_fmadd_ps(
+        reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b), reinterpret_cast<__m512>(c)));
+  } else if constexpr (sizeof(V) == 64 && std::is_same_v<E, double>) {
+    return reinterpret_cast<V>(_mm512_fmadd_pd(
+        reinterpret_cast<__m512d>(a), reinterpret_cast<__m512d>(b), reinterpret_cast<__m512d>(c)));
+  }
+#endif
+#if defined(__FMA__)
+  if constexpr (sizeof(V) == 32 && std::is_same_v<E, float>) {
+    return reinterpret_cast<V>(_mm256_fmadd_ps(
+        reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b), reinterpret_cast<__m256>(c)));
+  } else if constexpr (sizeof(V) == 32 && std::is_same_v<E, double>) {
+    return reinterpret_cast<V>(_mm256_fmadd_pd(
+        reinterpret_cast<__m256d>(a), reinterpret_cast<__m256d>(b), reinterpret_cast<__m256d>(c)));
+  }
+#endif
+  return a * b + c;
 }
 
 // Note [Vectorised exp].

@@ -91,10 +91,10 @@ __global__ void attention_forward_kernel(Geometry g, const V* q, Strides4 sq, co
       m = s > m ? s : m;
     }
     m = block_max(m, shared);
-    V z = 0;
+    detail::CascadeSum<V> partial;  // Note [Cascade summation]
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x)
-      z += detail::d_exp(scale * dot(qi, sq.d, kh + j * sk.s, sk.d, g.D) - m);
-    z = block_sum(z, shared);
+      partial.add(detail::d_exp(scale * dot(qi, sq.d, kh + j * sk.s, sk.d, g.D) - m));
+    const V z = block_sum(partial.total(), shared);
     if (threadIdx.x == 0) {
       lse[row] = n == 0 ? -INFINITY : static_cast<float>(m + detail::d_log(z));
     }

@@ -172,6 +172,12 @@ __device__ __forceinline__ float d_tanh(float x) {
 __device__ __forceinline__ double d_tanh(double x) {
   return tanh(x);
 }
+__device__ __forceinline__ float d_erf(float x) {
+  return erff(x);
+}
+__device__ __forceinline__ double d_erf(double x) {
+  return erf(x);
+}
 __device__ __forceinline__ float d_pow(float x, float y) {
   return powf(x, y);
 }
@@ -257,6 +263,39 @@ decltype(auto) dispatch_index(DType dtype, const char* op, F&& fn) {
                dtype_name(dtype));
   return fn(TypeTag<int32_t>{});
 }
+
+// Note [Cascade summation] (tensor/cpu/cascade.h) on the GPU: a thread adds
+// its terms into level 0; every kFan terms level 0 is added into level 1 and
+// cleared, every kFan of those level 1 into level 2, and every kFan of those
+// level 2 into level 3. A term passes through at most kFan additions per
+// level, so a thread's error grows like 3 * kFan + n / kFan^3 rather than n
+// (level 3 takes one term per 32768 of the thread's). Threads' sums are then
+// combined by block_reduce's tree. Exact (and merely a little slower) for
+// integer S.
+template <class S>
+struct CascadeSum {
+  static constexpr int kFan = 32;
+  S level0 = S(0), level1 = S(0), level2 = S(0), level3 = S(0);
+  int count0 = 0, count1 = 0, count2 = 0;
+
+  __device__ __forceinline__ void add(S x) {
+    level0 += x;
+    if (++count0 < kFan) return;
+    level1 += level0;
+    level0 = S(0);
+    count0 = 0;
+    if (++count1 < kFan) return;
+    level2 += level1;
+    level1 = S(0);
+    count1 = 0;
+    if (++count2 < kFan) return;
+    level3 += level2;
+    level2 = S(0);
+    count2 = 0;
+  }
+  // The sum so far, small levels first.
+  __device__ __forceinline__ S total() const { return level3 + (level2 + (level1 + level0)); }
+};
 
 // Shared-memory tree reduction of one value per thread of a block (blockDim.x
 // a power of two, at most kMaxBlock). `combine` must be associative; the

@@ -6,6 +6,7 @@
 // outputs are contiguous. The CPU backend (tensor/cpu/elementwise.cpp) is the
 // reference: same compute types, same formulas.
 #include "tensor/cuda/cuda_common.cuh"
+#include "tensor/random.h"
 
 namespace tandem::cuda {
 namespace {
@@ -42,6 +43,10 @@ __device__ V unary_apply(UnaryOp op, V x) {
       }
       case UnaryOp::Silu:
         return x / (V(1) + detail::d_exp(-x));
+      case UnaryOp::Erf:
+        return detail::d_erf(x);
+      case UnaryOp::GeluErf:
+        return V(0.5) * x * (V(1) + detail::d_erf(x * V(0.7071067811865476)));  // 1 / sqrt(2)
     }
     return x;
   } else {
@@ -164,6 +169,18 @@ __global__ void binary_scalar_kernel(BinaryOp op, const T* a, double s, bool sca
     if (!contiguous) calc.get(i, off);
     V x = load_as<V>(a[off[0]]);
     out[i] = binary_value<T, O>(op, scalar_first ? sv : x, scalar_first ? x : sv);
+  }
+}
+
+// As cpu::dropout: element i drops when philox_uniform(offset, seed, i) < p
+// (compared in f32), whatever the grid.
+template <class T>
+__global__ void dropout_kernel(const T* in, T* out, int64_t n, float threshold, acc_t<T> scale,
+                               uint64_t seed, uint64_t offset) {
+  using V = acc_t<T>;
+  for (int64_t i = detail::grid_start(); i < n; i += detail::grid_step()) {
+    const bool drop = philox_uniform(offset, seed, i) < threshold;
+    out[i] = cast_to<T>(drop ? V(0) : load_as<V>(in[i]) * scale);
   }
 }
 
@@ -306,6 +323,20 @@ void where(const TensorArg& cond, const TensorArg& a, const TensorArg& b, const 
     where_kernel<U><<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
         static_cast<const bool*>(cond.data), static_cast<const U*>(a.data),
         static_cast<const U*>(b.data), static_cast<U*>(out.data), out.numel, contiguous, calc);
+  });
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+}
+
+void dropout(const TensorArg& in, double p, uint64_t seed, uint64_t offset, const TensorArg& out,
+             void* stream) {
+  if (out.numel == 0) return;
+  detail::StreamDeviceGuard guard(stream);
+  dispatch_floating(in.dtype, "dropout", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dropout_kernel<T>
+        <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
+            static_cast<const T*>(in.data), static_cast<T*>(out.data), out.numel,
+            static_cast<float>(p), static_cast<acc_t<T>>(1.0 / (1.0 - p)), seed, offset);
   });
   TANDEM_CUDA_CHECK(cudaGetLastError());
 }

@@ -36,6 +36,9 @@ void arange(const TensorArg&, double, double, void*) {
 void random(const TensorArg&, RandomKind, uint64_t, uint64_t, double, double, void*) {
   no_cuda("random");
 }
+void dropout(const TensorArg&, double, uint64_t, uint64_t, const TensorArg&, void*) {
+  no_cuda("dropout");
+}
 void reduce(ReduceOp, const TensorArg&, int64_t, int64_t, int64_t, const TensorArg&, void*) {
   no_cuda("reduce");
 }

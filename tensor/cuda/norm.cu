@@ -4,7 +4,9 @@
 // statistics are computed in acc_t (f32 for 16-bit inputs, f64 for f64) and
 // stored as f32 for the backward pass. The variance is taken around the mean
 // (two passes over the row, which stays in L1/L2) rather than E[x^2] - E[x]^2,
-// which cancels catastrophically for rows with a large mean.
+// which cancels catastrophically for rows with a large mean. Every sum adds
+// through a CascadeSum per thread and block_reduce's tree
+// (Note [Cascade summation]).
 #include "tensor/cuda/cuda_common.cuh"
 
 namespace tandem::cuda {
@@ -46,16 +48,16 @@ __global__ void layer_norm_kernel(const T* x, Param weight, Param bias, double e
   auto add = [](V a, V b) { return a + b; };
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * d;
-    V sum = 0;
+    detail::CascadeSum<V> sum;
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x)
-      sum += load_as<V>(xr[i]);
-    V mean = detail::block_reduce(sum, shared, add) * inv_d;
-    V sq = 0;
+      sum.add(load_as<V>(xr[i]));
+    V mean = detail::block_reduce(sum.total(), shared, add) * inv_d;
+    detail::CascadeSum<V> sq;
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
       V c = load_as<V>(xr[i]) - mean;
-      sq += c * c;
+      sq.add(c * c);
     }
-    V var = detail::block_reduce(sq, shared, add) * inv_d;
+    V var = detail::block_reduce(sq.total(), shared, add) * inv_d;
     V rstd = V(1) / detail::d_sqrt(var + static_cast<V>(eps));
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
       V w = load_param<V>(weight.data, weight.dtype, i, V(1));
@@ -78,12 +80,12 @@ __global__ void rms_norm_kernel(const T* x, Param weight, double eps, int64_t ro
   const V inv_d = d > 0 ? V(1) / static_cast<V>(d) : V(0);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * d;
-    V sq = 0;
+    detail::CascadeSum<V> sq;
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
       V v = load_as<V>(xr[i]);
-      sq += v * v;
+      sq.add(v * v);
     }
-    V ms = detail::block_reduce(sq, shared, [](V a, V b) { return a + b; }) * inv_d;
+    V ms = detail::block_reduce(sq.total(), shared, [](V a, V b) { return a + b; }) * inv_d;
     V rstd = V(1) / detail::d_sqrt(ms + static_cast<V>(eps));
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
       V w = load_param<V>(weight.data, weight.dtype, i, V(1));
@@ -95,7 +97,8 @@ __global__ void rms_norm_kernel(const T* x, Param weight, double eps, int64_t ro
 
 // Note [Fused norm backward] (tensor/cpu/norm.cpp): dx per row, one block per
 // row; the column sums (dweight, dbias) one thread per column over all rows in
-// order, so they are deterministic.
+// order through a CascadeSum, so they are deterministic and their error grows
+// like log rows.
 template <class T>
 __global__ void norm_backward_dx_kernel(const T* dy, const T* x, Param weight, const float* mean,
                                         const float* rstd, int64_t rows, int64_t d, T* dx) {
@@ -108,16 +111,16 @@ __global__ void norm_backward_dx_kernel(const T* dy, const T* x, Param weight, c
     const T* gr = dy + row * d;
     const V mu = mean != nullptr ? static_cast<V>(mean[row]) : V(0);
     const V rs = static_cast<V>(rstd[row]);
-    V s1 = 0, s2 = 0;
+    detail::CascadeSum<V> s1, s2;
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
       const V xh = (load_as<V>(xr[i]) - mu) * rs;
       const V gw = load_as<V>(gr[i]) * load_param<V>(weight.data, weight.dtype, i, V(1));
-      s1 += gw;
-      s2 += gw * xh;
+      s1.add(gw);
+      s2.add(gw * xh);
     }
     // mean == nullptr (rms_norm) is uniform across the block.
-    const V m1 = mean != nullptr ? detail::block_reduce(s1, shared, add) * inv_d : V(0);
-    const V m2 = detail::block_reduce(s2, shared, add) * inv_d;
+    const V m1 = mean != nullptr ? detail::block_reduce(s1.total(), shared, add) * inv_d : V(0);
+    const V m2 = detail::block_reduce(s2.total(), shared, add) * inv_d;
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
       const V xh = (load_as<V>(xr[i]) - mu) * rs;
       const V gw = load_as<V>(gr[i]) * load_param<V>(weight.data, weight.dtype, i, V(1));
@@ -132,15 +135,15 @@ __global__ void norm_backward_params_kernel(const T* dy, const T* x, const float
                                             acc_t<T>* dweight, acc_t<T>* dbias) {
   using V = acc_t<T>;
   for (int64_t j = detail::grid_start(); j < d; j += detail::grid_step()) {
-    V sw = 0, sb = 0;
+    detail::CascadeSum<V> sw, sb;
     for (int64_t r = 0; r < rows; ++r) {
       const V g = load_as<V>(dy[r * d + j]);
       const V mu = mean != nullptr ? static_cast<V>(mean[r]) : V(0);
-      sw += g * (load_as<V>(x[r * d + j]) - mu) * static_cast<V>(rstd[r]);
-      sb += g;
+      sw.add(g * (load_as<V>(x[r * d + j]) - mu) * static_cast<V>(rstd[r]));
+      sb.add(g);
     }
-    if (dweight != nullptr) dweight[j] = sw;
-    if (dbias != nullptr) dbias[j] = sb;
+    if (dweight != nullptr) dweight[j] = sw.total();
+    if (dbias != nullptr) dbias[j] = sb.total();
   }
 }
 

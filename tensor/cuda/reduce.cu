@@ -8,9 +8,11 @@
 //   when there are too few outputs to fill the GPU with one thread each.
 // - thread per output: each thread walks r with stride inner; neighbouring
 //   threads read neighbouring addresses, so the loads coalesce.
-// Float sums accumulate in acc_t (f32 for the 16-bit types), integers in i64;
-// the summation order differs from the CPU's, so float results agree to
-// rounding, integer results exactly.
+// Float sums accumulate in acc_t (f32 for the 16-bit types), integers in i64,
+// each thread in a CascadeSum and the threads of a block by a tree
+// (Note [Cascade summation]), so the error grows like log r; the order
+// differs from the CPU's, so float results agree to rounding, integer results
+// exactly.
 #include <limits>
 
 #include "tensor/cuda/cuda_common.cuh"
@@ -31,14 +33,18 @@ struct ValueIndex {
   int64_t i;  // -1: nothing seen yet
 };
 
-// Reducers: init(), add(state, x, k) for element k of the axis, combine(a, b)
-// for partial states (associative), store(out, dtype, o, state, r).
+// Reducers: a thread folds its elements into a partial P (start(),
+// add(partial, x, k) for element k of the axis, finish(partial) -> S), the
+// threads' states are combined by combine(a, b) (associative), and
+// store(out, dtype, o, state, r) writes the result.
 template <class T>
 struct SumReducer {
   using S = sum_t<T>;
+  using P = detail::CascadeSum<S>;
   bool mean;
-  __device__ S init() const { return S(0); }
-  __device__ S add(S s, T x, int64_t) const { return s + load_as<S>(x); }
+  __device__ P start() const { return P{}; }
+  __device__ void add(P& p, T x, int64_t) const { p.add(load_as<S>(x)); }
+  __device__ S finish(const P& p) const { return p.total(); }
   __device__ S combine(S a, S b) const { return a + b; }
   __device__ void store(void* out, DType dtype, int64_t o, S s, int64_t r) const {
     // Mean multiplies by 1/r, as the CPU does (the front end sends only
@@ -54,9 +60,11 @@ template <class T>
 struct ExtremumReducer {
   using V = compute_t<T>;
   using S = ValueIndex<V>;
+  using P = S;
   bool is_max;
   bool want_index;
-  __device__ S init() const { return S{V(0), -1}; }
+  __device__ P start() const { return S{V(0), -1}; }
+  __device__ S finish(const P& p) const { return p; }
   __device__ bool better(V a, V b) const {
     if (detail::is_nan(a)) return !detail::is_nan(b);
     if (detail::is_nan(b)) return false;
@@ -69,7 +77,7 @@ struct ExtremumReducer {
     if (better(b.v, a.v)) return b;
     return a.i < b.i ? a : b;
   }
-  __device__ S add(S s, T x, int64_t k) const { return combine(s, S{load_as<V>(x), k}); }
+  __device__ void add(P& p, T x, int64_t k) const { p = combine(p, S{load_as<V>(x), k}); }
   __device__ void store(void* out, DType dtype, int64_t o, S s, int64_t) const {
     if (want_index) {
       detail::store_dyn(out, dtype, o, s.i);
@@ -86,10 +94,11 @@ __global__ void reduce_block_kernel(R reducer, const T* in, int64_t outer, int64
   __shared__ S shared[detail::kThreads];
   for (int64_t o = blockIdx.x; o < outer * inner; o += gridDim.x) {
     const T* base = in + (o / inner) * r * inner + o % inner;
-    S s = reducer.init();
+    auto partial = reducer.start();
     for (int64_t k = threadIdx.x; k < r; k += blockDim.x)
-      s = reducer.add(s, base[k * inner], k);
-    s = detail::block_reduce(s, shared, [&](S a, S b) { return reducer.combine(a, b); });
+      reducer.add(partial, base[k * inner], k);
+    S s = detail::block_reduce(reducer.finish(partial), shared,
+                               [&](S a, S b) { return reducer.combine(a, b); });
     if (threadIdx.x == 0) reducer.store(out, out_dtype, o, s, r);
   }
 }
@@ -99,10 +108,10 @@ __global__ void reduce_thread_kernel(R reducer, const T* in, int64_t outer, int6
                                      int64_t inner, void* out, DType out_dtype) {
   for (int64_t o = detail::grid_start(); o < outer * inner; o += detail::grid_step()) {
     const T* base = in + (o / inner) * r * inner + o % inner;
-    auto s = reducer.init();
+    auto partial = reducer.start();
     for (int64_t k = 0; k < r; ++k)
-      s = reducer.add(s, base[k * inner], k);
-    reducer.store(out, out_dtype, o, s, r);
+      reducer.add(partial, base[k * inner], k);
+    reducer.store(out, out_dtype, o, reducer.finish(partial), r);
   }
 }
 
@@ -136,9 +145,10 @@ __device__ void softmax_line(const T* in, T* out, int64_t r, int64_t inner, bool
     m = larger(load_as<V>(in[k * inner]), m);
   if constexpr (kBlock) m = detail::block_reduce(m, shared, larger);
   if (m == -std::numeric_limits<V>::infinity()) m = 0;
-  V sum = 0;
+  detail::CascadeSum<V> partial;
   for (int64_t k = lane; k < r; k += lanes)
-    sum += detail::d_exp(load_as<V>(in[k * inner]) - m);
+    partial.add(detail::d_exp(load_as<V>(in[k * inner]) - m));
+  V sum = partial.total();
   if constexpr (kBlock) sum = detail::block_reduce(sum, shared, [](V a, V b) { return a + b; });
   const V shift = m + detail::d_log(sum);
   const V inv = sum > V(0) ? V(1) / sum : V(0);  // a fully masked line gives zeros
@@ -168,7 +178,8 @@ __global__ void softmax_thread_kernel(const T* in, T* out, int64_t outer, int64_
 }
 
 // Inclusive scan of contiguous rows, a tile of blockDim elements at a time
-// (Hillis-Steele in shared memory), carrying the running total across tiles.
+// (Hillis-Steele in shared memory), carrying the tiles' totals across in a
+// CascadeSum (Note [Cascade summation]) so the carry's error grows like log r.
 template <class T>
 __global__ void cumsum_block_kernel(const T* in, void* out, DType out_dtype, int64_t rows,
                                     int64_t r) {
@@ -176,7 +187,7 @@ __global__ void cumsum_block_kernel(const T* in, void* out, DType out_dtype, int
   __shared__ S tile[detail::kThreads];
   int tid = threadIdx.x;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    S carry = 0;
+    detail::CascadeSum<S> carry;
     for (int64_t t0 = 0; t0 < r; t0 += blockDim.x) {
       int64_t k = t0 + tid;
       tile[tid] = k < r ? load_as<S>(in[row * r + k]) : S(0);
@@ -187,8 +198,8 @@ __global__ void cumsum_block_kernel(const T* in, void* out, DType out_dtype, int
         tile[tid] += left;
         __syncthreads();
       }
-      if (k < r) detail::store_dyn(out, out_dtype, row * r + k, carry + tile[tid]);
-      carry += tile[blockDim.x - 1];
+      if (k < r) detail::store_dyn(out, out_dtype, row * r + k, carry.total() + tile[tid]);
+      carry.add(tile[blockDim.x - 1]);
       __syncthreads();  // the tile is rewritten next round
     }
   }
@@ -200,10 +211,10 @@ __global__ void cumsum_thread_kernel(const T* in, void* out, DType out_dtype, in
   using S = sum_t<T>;
   for (int64_t o = detail::grid_start(); o < outer * inner; o += detail::grid_step()) {
     int64_t base = (o / inner) * r * inner + o % inner;
-    S s = 0;
+    detail::CascadeSum<S> s;
     for (int64_t k = 0; k < r; ++k) {
-      s += load_as<S>(in[base + k * inner]);
-      detail::store_dyn(out, out_dtype, base + k * inner, s);
+      s.add(load_as<S>(in[base + k * inner]));
+      detail::store_dyn(out, out_dtype, base + k * inner, s.total());
     }
   }
 }

@@ -161,8 +161,21 @@ TEST_CASE("an exception in one rank's code fails its peers quickly; the root cau
     out.record(pg->rank(), [&] { pg->all_reduce(ops::ones({8}))->synchronize(); });
     if (out.errors[pg->rank()]) std::rethrow_exception(out.errors[pg->rank()]);
   };
-  REQUIRE_THROWS_WITH(run_ranks(world, rank_fn, with_timeout(std::chrono::seconds(20))),
-                      "user error on rank 1");
+  std::string report;
+  try {
+    run_ranks(world, rank_fn, with_timeout(std::chrono::seconds(20)));
+  } catch (const Error& e) {  // a foreign root cause is reported as a tandem::Error
+    report = e.what();
+  }
+  INFO(report);
+  // The root cause first, then the ranks it aborted (Note [Rank failure report]).
+  const size_t root = report.find("rank 1: user error on rank 1");
+  const size_t r0 = report.find("rank 0 (aborted): "), r2 = report.find("rank 2 (aborted): ");
+  REQUIRE(root != std::string::npos);
+  REQUIRE(r0 != std::string::npos);
+  REQUIRE(r2 != std::string::npos);
+  CHECK(root < r0);
+  CHECK(r0 < r2);
   for (int r : {0, 2}) {
     INFO("rank " << r);
     REQUIRE(out.errors[r]);
@@ -171,6 +184,44 @@ TEST_CASE("an exception in one rank's code fails its peers quickly; the root cau
                         Contains("rank 1 failed") && Contains("user error on rank 1"));
     CHECK(out.elapsed_ms[r] < 5000.0);  // far below the 20 s timeout
   }
+}
+
+TEST_CASE("ranks failing for different reasons are all reported, in rank order", "[checked]") {
+  // Rank 2 fails first and aborts the world; rank 1 fails later with an error
+  // of its own; rank 0 is aborted in its collective. Whatever the timing, the
+  // report lists both root causes in rank order, then the aborted rank.
+  const int world = 3;
+  auto rank_fn = [&](ProcessGroupPtr pg) {
+    if (pg->rank() == 2) throw TimeoutError("rank 2 gave up");
+    if (pg->rank() == 1) {
+      test::sleep_ms(150);  // well after rank 2's failure
+      throw Error("rank 1 found bad input");
+    }
+    pg->all_reduce(ops::ones({8}))->synchronize();
+  };
+  std::string report;
+  bool timeout_type = false;
+  try {
+    run_ranks(world, rank_fn, with_timeout(std::chrono::seconds(20)));
+  } catch (const TimeoutError& e) {
+    report = e.what();
+    timeout_type = true;
+  } catch (const Error& e) {
+    report = e.what();
+  }
+  INFO(report);
+  const size_t r1 = report.find("rank 1: rank 1 found bad input");
+  const size_t r2 = report.find("rank 2: rank 2 gave up");
+  const size_t r0 = report.find("rank 0 (aborted): ");
+  REQUIRE(r1 != std::string::npos);
+  REQUIRE(r2 != std::string::npos);
+  REQUIRE(r0 != std::string::npos);
+  CHECK(r1 < r2);
+  CHECK(r2 < r0);
+  CHECK(report.find("3 of 3 failing") != std::string::npos);
+  // The first root cause in rank order (rank 1's Error) sets the type, not
+  // the first in time (rank 2's TimeoutError).
+  CHECK_FALSE(timeout_type);
 }
 
 TEST_CASE("a rank that returns early fails its peers with a clear message", "[checked]") {

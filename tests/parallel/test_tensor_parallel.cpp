@@ -107,8 +107,9 @@ TEST_CASE("column- then row-parallel linears with a bias", "[tp]") {
     backward(sum(mul(y, y)));
     RANK_CHECK(rc, close(y, yr));
     RANK_CHECK(rc, close(grad(xl), grad(xr), 1e-5, 1e-5));
-    RANK_CHECK(rc, close(grad(la->bias()),
-                         DTensor::distribute(grad(a->bias()), mesh, {Shard(0)}).to_local()));
+    RANK_CHECK(
+        rc, close(grad(la->bias()),
+                  DTensor::distribute(grad(a->bias()), mesh, {Shard(0)}).to_local(), 1e-5, 1e-5));
     RANK_CHECK(rc, close(grad(lb->bias()), grad(b->bias())));  // added once, after the reduction
     RANK_CHECK(
         rc, close(grad(lb->weight()),
@@ -245,4 +246,101 @@ TEST_CASE("parallel styles reject what they cannot shard", "[tp]") {
     RANK_CHECK_THROWS_WITH(rc, colwise()->apply(*lin, mesh2), "expected a 1-D mesh");
   });
   rc.report();
+}
+
+// Empty shards (issue 15): chunk semantics give the last ranks nothing when a
+// feature dim has fewer chunks than tp; they still run every collective.
+TEST_CASE("tensor parallel with fewer feature chunks than ranks", "[tp][empty]") {
+  // MLP hidden 5 and 6 on tp=4 give the last rank an empty shard of w1/w3
+  // (Colwise) and w2 (Rowwise); hidden 3 gives it nothing at all.
+  for (int64_t hidden : {5, 6, 3}) {
+    SECTION("hidden " + std::to_string(hidden)) {
+      nn::TransformerBlockConfig cfg;
+      cfg.d_model = 16;
+      cfg.n_heads = 4;
+      cfg.n_kv_heads = 4;
+      cfg.hidden = hidden;
+      Generator data(7);
+      Tensor x = ops::randn({2, 5, 16}, data);
+      Generator init(1);
+      auto ref = std::make_shared<nn::TransformerBlock>(cfg, init);
+      Tensor xr = ops::clone(x);
+      set_requires_grad(xr);
+      Tensor yr = ref->call(Args{xr})[0];
+      backward(sum(mul(yr, yr)));
+      auto ref_params = ref->named_parameters();
+
+      tandem::testing::RankChecks rc;
+      run_ranks(4, [&](ProcessGroupPtr pg) {
+        DeviceMesh mesh(pg, {4}, {"tp"});
+        Generator g(1);
+        auto block = std::make_shared<nn::TransformerBlock>(cfg, g);
+        parallelize_module(block, mesh,
+                           {{"attn.q_proj", colwise()},
+                            {"attn.k_proj", colwise()},
+                            {"attn.v_proj", colwise()},
+                            {"attn.o_proj", rowwise()},
+                            {"mlp.w1", colwise()},
+                            {"mlp.w3", colwise()},
+                            {"mlp.w2", rowwise()}});
+        if (pg->rank() == 3) RANK_CHECK(rc, block->mlp()->w1()->weight().shape()[0] == 0);
+        Tensor xl = ops::clone(x);
+        set_requires_grad(xl);
+        Tensor y = block->call(Args{xl})[0];
+        backward(sum(mul(y, y)));
+        RANK_CHECK(rc, close(y, yr, 1e-5, 1e-5));
+        RANK_CHECK(rc, close(grad(xl), grad(xr), 1e-5, 1e-5));
+        auto params = block->named_parameters();
+        for (size_t i = 0; i < params.size(); ++i) {
+          Tensor want = expected_local_grad(params[i].first, grad(ref_params[i].second), mesh);
+          Tensor got = grad(params[i].second);
+          RANK_CHECK(rc, got.defined() && close(got, want, 1e-5, 1e-5));
+        }
+      });
+      rc.report();
+    }
+  }
+}
+
+TEST_CASE("column- then row-parallel linears with biases and an empty shard", "[tp][empty]") {
+  for (int64_t hidden : {5, 6}) {
+    INFO("hidden " << hidden);
+    Generator data(3);
+    Tensor x = ops::randn({2, 3, 6}, data);
+    Generator init(5);
+    auto a = std::make_shared<nn::Linear>(6, hidden, init, true);
+    auto b = std::make_shared<nn::Linear>(hidden, 6, init, true);
+    Tensor xr = ops::clone(x);
+    set_requires_grad(xr);
+    Tensor yr = (*b)((*a)(xr));
+    backward(sum(mul(yr, yr)));
+    tandem::testing::RankChecks rc;
+    run_ranks(4, [&](ProcessGroupPtr pg) {
+      DeviceMesh mesh(pg, {4}, {"tp"});
+      Generator g(5);
+      auto la = std::make_shared<nn::Linear>(6, hidden, g, true);
+      auto lb = std::make_shared<nn::Linear>(hidden, 6, g, true);
+      colwise()->apply(*la, mesh);
+      rowwise()->apply(*lb, mesh);
+      Tensor xl = ops::clone(x);
+      set_requires_grad(xl);
+      Tensor h = (*la)(xl);
+      if (pg->rank() == 3) RANK_CHECK(rc, h.shape() == Shape{2, 3, 0});
+      Tensor y = (*lb)(h);
+      backward(sum(mul(y, y)));
+      RANK_CHECK(rc, close(y, yr, 1e-5, 1e-5));
+      RANK_CHECK(rc, close(grad(xl), grad(xr), 1e-5, 1e-5));
+      RANK_CHECK(rc, close(grad(la->weight()),
+                           DTensor::distribute(grad(a->weight()), mesh, {Shard(0)}).to_local(),
+                           1e-5, 1e-5));
+      RANK_CHECK(
+          rc, close(grad(la->bias()),
+                    DTensor::distribute(grad(a->bias()), mesh, {Shard(0)}).to_local(), 1e-5, 1e-5));
+      RANK_CHECK(rc, close(grad(lb->weight()),
+                           DTensor::distribute(grad(b->weight()), mesh, {Shard(1)}).to_local(),
+                           1e-5, 1e-5));
+      RANK_CHECK(rc, close(grad(lb->bias()), grad(b->bias()), 1e-5, 1e-5));
+    });
+    rc.report();
+  }
 }

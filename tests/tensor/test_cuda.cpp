@@ -120,9 +120,19 @@ TEST_CASE("CUDA build and device queries work with or without a GPU", "[cuda]") 
 TEST_CASE("CUDA unary ops match the CPU", "[cuda]") {
   TANDEM_SKIP_WITHOUT_GPU();
   const std::pair<const char*, Unary> cases[] = {
-      {"neg", ops::neg},     {"exp", ops::exp},   {"log", ops::log},   {"sqrt", ops::sqrt},
-      {"rsqrt", ops::rsqrt}, {"abs", ops::abs},   {"tanh", ops::tanh}, {"sigmoid", ops::sigmoid},
-      {"relu", ops::relu},   {"gelu", ops::gelu}, {"silu", ops::silu},
+      {"neg", ops::neg},
+      {"exp", ops::exp},
+      {"log", ops::log},
+      {"sqrt", ops::sqrt},
+      {"rsqrt", ops::rsqrt},
+      {"abs", ops::abs},
+      {"tanh", ops::tanh},
+      {"sigmoid", ops::sigmoid},
+      {"relu", ops::relu},
+      {"silu", ops::silu},
+      {"erf", ops::erf},
+      {"gelu", [](const Tensor& t) { return ops::gelu(t); }},
+      {"gelu exact", [](const Tensor& t) { return ops::gelu(t, GeluApproximate::None); }},
   };
   for (DType dt : kFloatTypes) {
     Tensor signed_x = random_tensor({7, 9}, dt, 1, -3.0, 3.0);
@@ -258,6 +268,33 @@ TEST_CASE("CUDA random numbers equal the CPU's for the same generator state", "[
                 math_tol(dt));
     check_close(ops::normal({999}, 1.5, 0.5, cpu_gen, dt),
                 ops::normal({999}, 1.5, 0.5, gpu_gen, dt, cuda), math_tol(dt));
+    // Dropout's mask comes from the same counters on both devices; the kept
+    // values are one product, rounded alike.
+    Tensor x = random_tensor({33, 31}, dt, 5, -2.0, 2.0);
+    check_same(ops::dropout(x, 0.3, 77, 5), ops::dropout(gpu(x), 0.3, 77, 5));
+  }
+}
+
+TEST_CASE("CUDA long sums stay accurate (Note [Cascade summation])", "[cuda]") {
+  TANDEM_SKIP_WITHOUT_GPU();
+  // The same bound as tests/tensor/test_summation.cpp: |error| / sum |x| below
+  // 1e-6 at 1M and 4M elements, summed along and across the last dim, and a
+  // cumsum's last prefix.
+  for (int64_t n : {int64_t{1} << 20, int64_t{4} << 20}) {
+    INFO("n = " << n);
+    std::vector<double> v = tandem::test::random_stored(n, 6, DType::F32, 0.0, 1.0);
+    double exact = 0;
+    for (double e : v)
+      exact += e;
+    Tensor x = gpu(tensor_of(v, {n}, DType::F32));
+    CHECK(std::abs(ops::sum(x).item_double() - exact) / exact < 1e-6);
+    const std::vector<double> cols = values_of(ops::sum(ops::reshape(x, {n / 4, 4}), {0}));
+    double by_cols = 0;
+    for (double c : cols)
+      by_cols += c;
+    CHECK(std::abs(by_cols - exact) / exact < 1e-6);
+    const std::vector<double> scan = values_of(ops::cumsum(x, 0));
+    CHECK(std::abs(scan.back() - exact) / exact < 1e-6);
   }
 }
 

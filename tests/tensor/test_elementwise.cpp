@@ -84,6 +84,12 @@ std::vector<UnaryCase> unary_cases() {
       {"gelu", [](const Tensor& t) { return ops::gelu(t); }, gelu_ref, -5, 5},
       {"silu", [](const Tensor& t) { return ops::silu(t); },
        [](double x) { return x * sigmoid_ref(x); }, -6, 6},
+      {"gelu exact", [](const Tensor& t) { return ops::gelu(t, GeluApproximate::None); },
+       [](double x) { return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))); }, -5, 5},
+      {"gelu tanh", [](const Tensor& t) { return ops::gelu(t, GeluApproximate::Tanh); }, gelu_ref,
+       -5, 5},
+      {"erf", [](const Tensor& t) { return ops::erf(t); }, [](double x) { return std::erf(x); }, -3,
+       3},
       {"operator-", [](const Tensor& t) { return -t; }, [](double x) { return -x; }, -4, 4},
   };
 }
@@ -486,4 +492,58 @@ TEST_CASE("shape mismatch names the op and both shapes", "[elementwise]") {
   REQUIRE_THROWS_WITH(ops::mul(a, ops::zeros({3, 2})), Contains("[tensor::mul]"));
   REQUIRE_THROWS_WITH(ops::where(ops::zeros({2, 3}, DType::Bool), a, b), Contains("[4,5]"));
   REQUIRE_THROWS_AS(ops::eq(a, ops::zeros({4})), Error);
+}
+
+TEST_CASE("dropout zeroes the elements its counters pick and scales the rest", "[elementwise]") {
+  constexpr int64_t n = 100000;
+  const double p = 0.3;
+  const std::vector<double> in = random_stored(n, 900, DType::F32, 0.5, 2.0);  // never 0
+  const Tensor x = tensor_of(in, {n}, DType::F32);
+  const uint64_t seed = 1234, offset = 77;
+  const std::vector<double> out = values_of(ops::dropout(x, p, seed, offset));
+  const float scale = static_cast<float>(1.0 / (1.0 - p));
+  int64_t dropped = 0;
+  bool mask_ok = true, scale_ok = true;
+  for (int64_t i = 0; i < n; ++i) {
+    // The documented contract: element i drops where its uniform is below p.
+    const bool drop = philox_uniform(offset, seed, i) < static_cast<float>(p);
+    dropped += drop ? 1 : 0;
+    mask_ok = mask_ok && (drop == (out[i] == 0.0));
+    if (!drop) scale_ok = scale_ok && out[i] == static_cast<float>(in[i]) * scale;
+  }
+  CHECK(mask_ok);
+  CHECK(scale_ok);
+  // 5 standard deviations of a binomial(n, p) count.
+  CHECK(std::abs(static_cast<double>(dropped) / n - p) < 5 * std::sqrt(p * (1 - p) / n));
+  // Same counters, same mask; other counters, another mask; any thread count.
+  CHECK(ops::equal(ops::dropout(x, p, seed, offset), ops::dropout(x, p, seed, offset)));
+  CHECK_FALSE(ops::equal(ops::dropout(x, p, seed, offset), ops::dropout(x, p, seed, offset + 1)));
+  ops::set_num_threads(2);
+  const Tensor threaded = ops::dropout(x, p, seed, offset);
+  ops::set_num_threads(1);
+  CHECK(ops::equal(threaded, ops::dropout(x, p, seed, offset)));
+}
+
+TEST_CASE("dropout at p = 0 and p = 1, on 16-bit and strided inputs, and its errors",
+          "[elementwise]") {
+  const Tensor x = tensor_of({1, -2, 3, -4, 5, -6}, {2, 3}, DType::F32);
+  CHECK(ops::dropout(x, 0.0, 1, 0).raw_data() == x.raw_data());  // x itself
+  CHECK(values_of(ops::dropout(x, 1.0, 1, 0)) == std::vector<double>(6, 0.0));
+  // A transposed view is read in its logical order: element i of the result
+  // uses counter offset + i, as for a contiguous copy.
+  const Tensor xt = ops::transpose(x, 0, 1);
+  CHECK(ops::equal(ops::dropout(xt, 0.5, 9, 3), ops::dropout(ops::contiguous(xt), 0.5, 9, 3)));
+  const Tensor h = ops::to(x, DType::BF16);
+  const std::vector<double> hv = values_of(ops::dropout(h, 0.5, 9, 3));
+  const std::vector<double> fv = values_of(ops::dropout(x, 0.5, 9, 3));
+  CHECK(hv == fv);  // x / 0.5 is exact in bf16 for these values
+  // The generator form reserves numel counters, whatever p.
+  Generator gen(5);
+  ops::dropout(x, 0.0, gen);
+  CHECK(gen.offset() == 6);
+  CHECK_THROWS_WITH(ops::dropout(x, 1.5, gen),
+                    Contains("[tensor::dropout] expected p in [0, 1], got 1.5"));
+  CHECK(gen.offset() == 6);  // a rejected call draws nothing
+  CHECK_THROWS_WITH(ops::dropout(ops::ones({2}, DType::I64), 0.5, 1, 0),
+                    Contains("[tensor::dropout] expected a floating x, got i64"));
 }

@@ -230,9 +230,10 @@ TEST_CASE("matmul gives the same result on two BLAS threads", "[matmul]") {
   TANDEM_REQUIRE_CLOSE(two, ref_matmul(a, {96, 256}, b, {256, 160}, out_shape), 1e-5, 2e-6 * 256);
 }
 
-// The AVX-512 f32 kernel (Note [CPU GEMM backend]) blocks k by 256 and n by
-// 512 and tiles C by 12 x 32: these shapes cross every block boundary with
-// partial tiles, in each transpose combination, at 1 and 2 threads.
+// The f32 kernel (Note [CPU GEMM backend]) blocks k by 256 and n by 512
+// (AVX-512) or 256, and tiles C by 12 x 32 (AVX-512), 6 x 16 (AVX2) or 6 x 8
+// (SSE2): these shapes cross every block boundary with partial tiles, in each
+// transpose combination, at 1 and 2 threads, on every target.
 TEST_CASE("f32 matmul across the kernel's cache blocks", "[matmul][threads]") {
   const int saved = ops::num_threads();
   const int64_t M = 37, K = 600, N = 545;
@@ -253,6 +254,9 @@ TEST_CASE("f32 matmul across the kernel's cache blocks", "[matmul][threads]") {
   const Tensor an = tensor_of(a, {M, K}), bn = tensor_of(b, {K, N});
   const Tensor atv = ops::transpose(tensor_of(at, {K, M}), 0, 1);
   const Tensor btv = ops::transpose(tensor_of(bt, {N, K}), 0, 1);
+  // Note [CPU GEMM backend]: on every target an f32 product has the same bits
+  // at any thread count, alone or as an item of a batch.
+  std::vector<double> one_thread;
   for (int threads : {1, 2}) {
     ops::set_num_threads(threads);
     std::vector<double> first;
@@ -272,6 +276,8 @@ TEST_CASE("f32 matmul across the kernel's cache blocks", "[matmul][threads]") {
     REQUIRE(first_item == first);
     for (size_t i = 0; i < expected.size(); ++i)
       REQUIRE(batched[expected.size() + i] == -first[i]);
+    if (one_thread.empty()) one_thread = first;
+    REQUIRE(first == one_thread);
   }
   ops::set_num_threads(saved);
 }

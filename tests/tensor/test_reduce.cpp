@@ -402,3 +402,28 @@ TEST_CASE("reductions reject bad dims", "[reduce]") {
   REQUIRE_THROWS_AS(ops::softmax(t, 3), Error);
   REQUIRE_THROWS_AS(ops::log_softmax(t, -4), Error);
 }
+
+TEST_CASE("softmax of masked lines: -inf elements get 0, an all -inf line gives zeros",
+          "[reduce]") {
+  const double ninf = -std::numeric_limits<double>::infinity();
+  for (DType dt : {DType::F32, DType::F64}) {
+    INFO(dtype_name(dt));
+    // Row 0 is fully masked (PyTorch: NaN; tandem: zeros, tensor/ops.h).
+    const Tensor t = tensor_of({ninf, ninf, ninf, 0.0, ninf, std::log(3.0)}, {2, 3}, dt);
+    const std::vector<double> p = values_of(ops::softmax(t, 1));
+    CHECK(p[0] == 0.0);
+    CHECK(p[1] == 0.0);
+    CHECK(p[2] == 0.0);
+    CHECK(p[3] == Approx(0.25).epsilon(1e-6));
+    CHECK(p[4] == 0.0);
+    CHECK(p[5] == Approx(0.75).epsilon(1e-6));
+    const std::vector<double> lp = values_of(ops::log_softmax(t, 1));
+    CHECK(lp[3] == Approx(std::log(0.25)).epsilon(1e-6));
+    CHECK(lp[4] == ninf);
+    // Along dim 0 (a strided line): column 1 is all -inf.
+    const std::vector<double> q = values_of(ops::softmax(t, 0));
+    CHECK(q[1] == 0.0);
+    CHECK(q[4] == 0.0);
+    CHECK(q[3] == 1.0);
+  }
+}

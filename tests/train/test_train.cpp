@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -326,33 +327,64 @@ TEST_CASE("--trace writes one trace of every rank", "[train]") {
 }
 
 TEST_CASE("a soak run of many short steps keeps memory constant", "[train][soak]") {
-  // Thousands of short overlapped steps on 4 rank threads: the allocator's
-  // peak and cache and the process's resident set must stop growing once
-  // warmed up (no leak per step: tapes, works, coordinator windows).
+  // Thousands of short overlapped steps on 4 rank threads must not leak
+  // (tapes, works, coordinator windows). Only what does not depend on how the
+  // eight worker threads interleave is compared exactly:
+  // - settled bytes (settle_memory: every rank has finished the step) hold
+  //   what outlives a step; any per-step leak makes them grow, by any amount;
+  // - the peak is settled bytes plus what the workers hold at the step's
+  //   busiest moment, which depends on how their steps overlap: the maximum
+  //   over a window is set by the rarest overlap (comparing two windows'
+  //   maxima failed under load). The median over 1300 steps is set by the
+  //   common overlaps, the same idle or with both cores busy, so the halves'
+  //   medians must agree within 5%;
+  // - the allocator's cache grows whenever an overlap keeps more blocks of a
+  //   size live at once than any before; all live blocks at one moment total
+  //   at most a peak, so without a leak the second half adds less than one
+  //   peak to the cache, where a per-step leak of cached blocks would add
+  //   1500 steps' worth;
+  // - the resident set, with a margin for the allocator's arenas.
   TrainOptions o = tiny();
   o.model.layers = 1;
   o.model.d_model = 16;
   o.model.hidden = 16;
   o.batch = 2;
   o.steps = 3000;
+  o.settle_memory = true;
   TrainResult r = run_training(o);
   REQUIRE(r.steps.size() == 3000);
-  auto window_max = [&](size_t from, size_t to, int64_t StepStats::*field) {
-    int64_t m = 0;
+  const int64_t settled = r.steps[0].settled_bytes;
+  CHECK(settled > 0);
+  int64_t settled_differs = -1;
+  for (const StepStats& s : r.steps) {
+    if (s.settled_bytes != settled && settled_differs < 0) settled_differs = s.step;
+  }
+  INFO("settled bytes " << settled << "; first step that differs: " << settled_differs);
+  CHECK(settled_differs == -1);
+  auto field = [&](size_t from, size_t to, int64_t StepStats::*f) {
+    std::vector<int64_t> v;
     for (size_t i = from; i < to; ++i)
-      m = std::max(m, r.steps[i].*field);
-    return m;
+      v.push_back(r.steps[i].*f);
+    return v;
   };
-  const int64_t early_peak = window_max(200, 500, &StepStats::peak_bytes);
-  const int64_t late_peak = window_max(2700, 3000, &StepStats::peak_bytes);
-  const int64_t early_reserved = window_max(200, 500, &StepStats::reserved_bytes);
-  const int64_t late_reserved = window_max(2700, 3000, &StepStats::reserved_bytes);
-  const int64_t early_rss = window_max(200, 500, &StepStats::resident_bytes);
-  const int64_t late_rss = window_max(2700, 3000, &StepStats::resident_bytes);
-  INFO("peak " << early_peak << " -> " << late_peak << ", reserved " << early_reserved << " -> "
-               << late_reserved << ", rss " << early_rss << " -> " << late_rss);
+  auto median = [](std::vector<int64_t> v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  auto max_of = [](const std::vector<int64_t>& v) { return *std::max_element(v.begin(), v.end()); };
+  // Steps before 200 warm the caches up.
+  const int64_t early_peak = median(field(200, 1500, &StepStats::peak_bytes));
+  const int64_t late_peak = median(field(1500, 3000, &StepStats::peak_bytes));
+  const int64_t max_peak = max_of(field(0, 3000, &StepStats::peak_bytes));
+  const int64_t early_reserved = r.steps[1499].reserved_bytes;
+  const int64_t late_reserved = r.steps[2999].reserved_bytes;
+  const int64_t early_rss = max_of(field(200, 500, &StepStats::resident_bytes));
+  const int64_t late_rss = max_of(field(2700, 3000, &StepStats::resident_bytes));
+  INFO("median peak " << early_peak << " -> " << late_peak << " (max " << max_peak << "), reserved "
+                      << early_reserved << " -> " << late_reserved << ", rss " << early_rss
+                      << " -> " << late_rss);
   CHECK(late_peak <= early_peak + early_peak / 20);
-  CHECK(late_reserved <= early_reserved + early_reserved / 20);
+  CHECK(late_reserved <= early_reserved + max_peak);
   CHECK(late_rss <= early_rss + early_rss / 10 + (4 << 20));
   CHECK(std::isfinite(r.steps.back().loss));
 }

@@ -8,9 +8,39 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <thread>
 
+#include <unistd.h>
+
+#include "tensor/ops.h"
+
 namespace tandem::bench {
+
+// Note [Baselines on a narrower build] (bench.h).
+bool kernels_below_machine() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx512f") && std::string(ops::cpu_vector_isa()) != "avx512";
+#else
+  return false;
+#endif
+}
+
+const char* openblas_core_for_kernels() {
+  const std::string isa = ops::cpu_vector_isa();
+  if (isa == "avx512") return "SkylakeX";
+  if (isa == "avx2") return "Haswell";
+  return nullptr;
+}
+
+void hold_blas_to_kernel_isa(char** argv) {
+  const char* core = openblas_core_for_kernels();
+  if (core == nullptr || std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
+  setenv("OPENBLAS_CORETYPE", core, 1);
+  execv("/proc/self/exe", argv);  // on failure, go on with OpenBLAS's own choice
+}
+
 namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point start) {

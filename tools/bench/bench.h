@@ -135,6 +135,29 @@ class Report {
   bool header_printed_ = false;
 };
 
+// Note [Baselines on the kernels' instructions]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The baselines run the vector instructions tandem's CPU kernels were built
+// for (ops::cpu_vector_isa(), from -Dcpu_arch), whatever the machine:
+// - OpenBLAS (cblas_sgemm rows, LibTorch) with its kernels for that ISA,
+//   SkylakeX for AVX-512 and Haswell for AVX2, through OPENBLAS_CORETYPE
+//   (read when the library loads, hence the re-exec). Debian's OpenBLAS 0.3.21
+//   otherwise picks by CPU model and falls back to far weaker kernels on CPUs
+//   newer than it (Prescott, SSE3, on Intel's 2023 Xeons; Haswell on AMD Zen
+//   4/5), which would flatter tandem.
+// - PyTorch, on an AVX2 build of a machine with AVX-512, through
+//   ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS (Note
+//   [Autograd baselines] in bench_autograd.cpp), as on an AVX2-only machine.
+// A user's own OPENBLAS_CORETYPE is kept; the reports name the kernels used.
+// Whether this build's kernels target less than this CPU runs.
+bool kernels_below_machine();
+// OpenBLAS's core type for the kernels' ISA, or null (plain SSE2 builds).
+const char* openblas_core_for_kernels();
+// Sets OPENBLAS_CORETYPE to openblas_core_for_kernels() and re-executes this
+// program with `argv` when it is unset (returns when nothing is to be done or
+// the exec failed).
+void hold_blas_to_kernel_isa(char** argv);
+
 // Sub-benchmarks. Each returns the process exit status.
 int run_tensor(const Options& options);
 int run_autograd(const Options& options);  // bench_autograd.cpp

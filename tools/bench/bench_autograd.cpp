@@ -4,22 +4,24 @@
 //   overhead   forward+backward of a chain of 1,000 tiny elementwise ops on a
 //              4-element tensor: against the same chain through the raw,
 //              non-differentiable tandem::ops (forward only, same process), and
-//              against LibTorch 1.13
+//              against each baseline program
 //   block      forward+backward step of one pre-norm transformer block (causal
-//              attention, SwiGLU MLP) at 1 and 2 threads against LibTorch's best
-//              thread setting, with the step's peak memory
+//              attention, SwiGLU MLP) at 1 and 2 threads against each
+//              baseline's best thread setting, tandem's 2-thread step against
+//              its 1-thread step, and the step's peak memory
 //
-// LibTorch runs in its own process (tools/bench/libtorch_autograd.cpp, built
-// only when libtorch-dev is installed) so that its OpenMP threads never share
-// the process with tandem's; it is found next to this executable. Tandem and
-// LibTorch take turns over several rounds (Note [LibTorch rounds]). Both sides
-// start from bit-identical weights (Note [Autograd benchmark workload]), and
-// their losses and gradients are compared before any ratio is reported.
+// The baselines, LibTorch 1.13 and PyTorch 2.x (Note [Autograd baselines]),
+// run in processes of their own so that their OpenMP threads never share the
+// process with tandem's. Tandem and the baselines take turns over several
+// rounds (Note [LibTorch rounds]). All sides start from bit-identical weights
+// (Note [Autograd benchmark workload]), and their losses and gradients are
+// compared before any ratio is reported.
 #include <fmt/format.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -29,6 +31,7 @@
 #include <functional>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,23 +49,26 @@ using namespace autograd_workload;
 using Json = nlohmann::ordered_json;
 
 // Targets, as baseline/tandem ratios (Row::target): per-op overhead at most
-// 0.25x LibTorch's; a block step at most 0.8x LibTorch's best thread setting.
+// 0.25x a baseline's; a block step at most 0.8x a baseline's best thread
+// setting.
 constexpr double kOverheadTargetMax = 0.25;
 constexpr double kBlockTargetMax = 0.8;
+// Tandem's 2-thread block step at most this fraction of its 1-thread step.
+constexpr double kScalingTargetMax = 0.6;
 constexpr const char* kLibTorchProgram = "tandem-libtorch-autograd";
+constexpr const char* kPyTorchScript = "pytorch_autograd.py";
 
 // Note [LibTorch rounds]
 // ~~~~~~~~~~~~~~~~~~~~~~
-// LibTorch cannot share tandem's process, so the pairing of Note [Benchmark
+// A baseline cannot share tandem's process, so the pairing of Note [Benchmark
 // timing] happens one level up: a round measures tandem (chain; block at 1 and
-// 2 threads) and runs the LibTorch program twice (OpenMP wait policy left unset,
-// and OMP_WAIT_POLICY=passive, which on 2 shared cores can decide whether its
-// 2-thread step beats its 1-thread step; on AVX-512 machines a third,
-// informational run: Note [LibTorch on OpenBLAS's AVX-512 kernel]), in an
-// order that alternates between
-// rounds. Each side reports per-call medians of the same trial protocol; a
-// row's ratio is the median over rounds of LibTorch's time / tandem's time in
-// that round, against the LibTorch setting with the lowest median over rounds.
+// 2 threads) and runs each baseline program twice (OpenMP wait policy left
+// unset, and OMP_WAIT_POLICY=passive, which on 2 shared cores can decide
+// whether its 2-thread step beats its 1-thread step), in an order that
+// alternates between rounds. Each side reports
+// per-call medians of the same trial protocol; a row's ratio is the median
+// over rounds of the baseline's time / tandem's time in that round, against
+// the baseline setting with the lowest median over rounds.
 struct CompareConfig {
   int rounds = 5;
   int chain_trials = 11;
@@ -95,59 +101,6 @@ std::string shell_quote(const std::string& s) {
   return q + "'";
 }
 
-// The LibTorch program next to this executable, or empty with `why` set.
-std::string find_libtorch_program(std::string& why) {
-  std::error_code ec;
-  std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) {
-    why = fmt::format("cannot read /proc/self/exe ({})", ec.message());
-    return {};
-  }
-  std::filesystem::path path = self.parent_path() / kLibTorchProgram;
-  if (!std::filesystem::exists(path, ec)) {
-    why = fmt::format(
-        "{} not found next to tandem-bench (it is built only when libtorch-dev is installed; "
-        "install it and re-run `meson setup --reconfigure`)",
-        path.string());
-    return {};
-  }
-  if (access(path.c_str(), X_OK) != 0) {
-    why = fmt::format("{} is not executable", path.string());
-    return {};
-  }
-  return path.string();
-}
-
-// `env`: the environment prefix of the command (an `env` invocation).
-Json run_libtorch_program(const std::string& program, const std::string& env,
-                          const CompareConfig& config) {
-  std::string command = fmt::format("{} {} --chain-trials {} --block-trials {} --min-trial-ms {}",
-                                    env, shell_quote(program), config.chain_trials,
-                                    config.block_trials, config.min_trial_s * 1e3);
-  std::fflush(stdout);
-  FILE* pipe = popen(command.c_str(), "r");
-  TANDEM_CHECK(pipe != nullptr, "[bench::autograd] expected to start `{}`, got popen failing",
-               command);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0)
-    out.append(buf, n);
-  int status = pclose(pipe);
-  TANDEM_CHECK(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
-               "[bench::autograd] expected `{}` to exit with status 0, got {} (its stderr is "
-               "above)",
-               command,
-               status == -1        ? std::string("pclose failing")
-               : WIFEXITED(status) ? fmt::format("status {}", WEXITSTATUS(status))
-                                   : fmt::format("signal {}", WTERMSIG(status)));
-  Json j = Json::parse(out, nullptr, false);
-  TANDEM_CHECK(!j.is_discarded() && j.is_object(),
-               "[bench::autograd] expected one JSON object from {}, got: {}", program,
-               out.substr(0, 200));
-  return j;
-}
-
 std::vector<float> json_floats(const Json& j) {
   std::vector<float> v;
   for (const auto& x : j)
@@ -155,15 +108,15 @@ std::vector<float> json_floats(const Json& j) {
   return v;
 }
 
-// Seconds of one LibTorch measurement in one round, e.g. ("chain", 0) or
+// Seconds of one baseline measurement in one round, e.g. ("chain", 0) or
 // ("block", 2); `field` is "median_ms" (wall) or "cpu_median_ms".
-double libtorch_seconds(const Json& run, const std::string& what, int threads,
+double baseline_seconds(const Json& run, const std::string& what, int threads,
                         const char* field = "median_ms") {
   if (what == "chain") return run.at("chain").at(field).get<double>() * 1e-3;
   for (const auto& b : run.at("block").at("threads")) {
     if (b.at("threads").get<int>() == threads) return b.at(field).get<double>() * 1e-3;
   }
-  TANDEM_FAIL("[bench::autograd] expected LibTorch block times at {} threads, got none", threads);
+  TANDEM_FAIL("[bench::autograd] expected baseline block times at {} threads, got none", threads);
 }
 
 Timing timing_over_rounds(const std::vector<double>& per_round, int reps) {
@@ -175,25 +128,25 @@ Timing timing_over_rounds(const std::vector<double>& per_round, int reps) {
   return t;
 }
 
-// A LibTorch setting (wait policy, threads) with its per-round times.
-struct LibTorchSetting {
+// A baseline setting (wait policy, threads) with its per-round times.
+struct BaselineSetting {
   std::string label;
   std::vector<double> per_round;
 };
 
 // The setting with the lowest median over rounds.
-const LibTorchSetting& best_setting(const std::vector<LibTorchSetting>& settings) {
+const BaselineSetting& best_setting(const std::vector<BaselineSetting>& settings) {
   return *std::min_element(settings.begin(), settings.end(), [](const auto& a, const auto& b) {
     return median_of(a.per_round) < median_of(b.per_round);
   });
 }
 
 PairTiming pair_over_rounds(const std::vector<double>& tandem, int tandem_reps,
-                            const LibTorchSetting& libtorch) {
+                            const BaselineSetting& baseline) {
   std::vector<double> ratios;
-  for (size_t r = 0; r < tandem.size(); ++r)
-    ratios.push_back(libtorch.per_round[r] / tandem[r]);
-  return {timing_over_rounds(tandem, tandem_reps), timing_over_rounds(libtorch.per_round, 1),
+  for (size_t r = 0; r < tandem.size() && r < baseline.per_round.size(); ++r)
+    ratios.push_back(baseline.per_round[r] / tandem[r]);
+  return {timing_over_rounds(tandem, tandem_reps), timing_over_rounds(baseline.per_round, 1),
           median_of(ratios)};
 }
 
@@ -282,44 +235,156 @@ Json measure_block_memory(BlockWorkload& block, std::string& text) {
   return memory;
 }
 
-// ---- the rounds against LibTorch ----
+// ---- the baselines ----
+
+// Note [Autograd baselines]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// Two programs can stand beside tandem, each in its own process, each
+// printing one JSON object of the same shape:
+// - LibTorch 1.13 (tools/bench/libtorch_autograd.cpp, built when Debian's
+//   libtorch-dev is installed; it multiplies on OpenBLAS);
+// - PyTorch 2.x (tools/bench/pytorch_autograd.py, run by TANDEM_BENCH_PYTHON
+//   or else python3, when it imports torch >= 2; MKL and oneDNN, fused
+//   scaled_dot_product_attention). Found next to tandem-bench, where Meson
+//   copies it.
+// The baselines run the instructions tandem's kernels were built for (Note
+// [Baselines on the kernels' instructions] in bench.h); the JSON's
+// "baseline_env" says how.
+struct Baseline {
+  std::string key;      // "libtorch", "pytorch"
+  std::string name;     // "LibTorch 1.13", "PyTorch 2.x"
+  std::string command;  // shell words that run it
+  std::string env;      // NAME=value words for every run
+};
+
+std::filesystem::path self_directory(std::string& why) {
+  std::error_code ec;
+  std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) {
+    why = fmt::format("cannot read /proc/self/exe ({})", ec.message());
+    return {};
+  }
+  return self.parent_path();
+}
+
+// Runs `command` through the shell; its stdout, or a failure naming the
+// command and its exit status.
+std::string run_command(const std::string& command) {
+  std::fflush(stdout);
+  FILE* pipe = popen(command.c_str(), "r");
+  TANDEM_CHECK(pipe != nullptr, "[bench::autograd] expected to start `{}`, got popen failing",
+               command);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0)
+    out.append(buf, n);
+  int status = pclose(pipe);
+  TANDEM_CHECK(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+               "[bench::autograd] expected `{}` to exit with status 0, got {} (its stderr is "
+               "above)",
+               command,
+               status == -1        ? std::string("pclose failing")
+               : WIFEXITED(status) ? fmt::format("status {}", WEXITSTATUS(status))
+                                   : fmt::format("signal {}", WTERMSIG(status)));
+  return out;
+}
+
+// The LibTorch program next to this executable, or nothing with `why` set.
+std::optional<Baseline> find_libtorch(std::string& why) {
+  std::filesystem::path dir = self_directory(why);
+  if (dir.empty()) return std::nullopt;
+  std::filesystem::path path = dir / kLibTorchProgram;
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
+    why = fmt::format(
+        "{} not found next to tandem-bench (it is built only when libtorch-dev is installed; "
+        "install it and re-run `meson setup --reconfigure`)",
+        path.string());
+    return std::nullopt;
+  }
+  if (access(path.c_str(), X_OK) != 0) {
+    why = fmt::format("{} is not executable", path.string());
+    return std::nullopt;
+  }
+  // OPENBLAS_CORETYPE is inherited (Note [Baselines on the kernels' instructions]).
+  const char* core = std::getenv("OPENBLAS_CORETYPE");
+  return Baseline{"libtorch", "LibTorch 1.13", shell_quote(path.string()),
+                  core != nullptr ? fmt::format("OPENBLAS_CORETYPE={}", core) : ""};
+}
+
+// PyTorch 2.x through pytorch_autograd.py, or nothing with `why` set.
+std::optional<Baseline> find_pytorch(std::string& why) {
+  std::filesystem::path dir = self_directory(why);
+  if (dir.empty()) return std::nullopt;
+  std::filesystem::path script = dir / kPyTorchScript;
+  std::error_code ec;
+  if (!std::filesystem::exists(script, ec)) {
+    why = fmt::format("{} not found next to tandem-bench", script.string());
+    return std::nullopt;
+  }
+  const char* env_python = std::getenv("TANDEM_BENCH_PYTHON");
+  const std::string python = env_python != nullptr && *env_python ? env_python : "python3";
+  std::string version;
+  try {
+    version = run_command(fmt::format("{} -c 'import torch; print(torch.__version__)' 2>/dev/null",
+                                      shell_quote(python)));
+  } catch (const std::exception&) {
+    why = fmt::format(
+        "{} cannot import torch (pip install torch, or point TANDEM_BENCH_PYTHON at a Python "
+        "that has PyTorch 2.x)",
+        python);
+    return std::nullopt;
+  }
+  while (!version.empty() && std::isspace(static_cast<unsigned char>(version.back())))
+    version.pop_back();
+  if (version.empty() || version[0] < '2' || version[0] > '9' || version[1] != '.') {
+    why = fmt::format("{} has torch {}, expected 2.x", python, version);
+    return std::nullopt;
+  }
+  Baseline b{"pytorch", "PyTorch " + version.substr(0, version.find('+')),
+             shell_quote(python) + " " + shell_quote(script.string()), ""};
+  if (kernels_below_machine()) {
+    b.env = "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2";
+  }
+  return b;
+}
+
+// `policy`: the wait policy's env words (kPolicyEnv).
+Json run_baseline(const Baseline& b, const std::string& policy, const CompareConfig& config) {
+  std::string command = fmt::format(
+      "env {} {} {} --chain-trials {} --block-trials {} --min-trial-ms {}", policy, b.env,
+      b.command, config.chain_trials, config.block_trials, config.min_trial_s * 1e3);
+  std::string out = run_command(command);
+  Json j = Json::parse(out, nullptr, false);
+  TANDEM_CHECK(!j.is_discarded() && j.is_object(),
+               "[bench::autograd] expected one JSON object from {}, got: {}", b.name,
+               out.substr(0, 200));
+  return j;
+}
+
+// ---- the rounds against the baselines ----
 
 constexpr const char* kPolicies[] = {"unset", "passive"};  // OMP_WAIT_POLICY
+constexpr const char* kPolicyEnv[] = {"-u OMP_WAIT_POLICY", "OMP_WAIT_POLICY=passive"};
 
-std::string policy_env(size_t p) {
-  return std::string(kPolicies[p]) == "passive" ? "env OMP_WAIT_POLICY=passive"
-                                                : "env -u OMP_WAIT_POLICY";
-}
-
-// Note [LibTorch on OpenBLAS's AVX-512 kernel]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Debian's OpenBLAS 0.3.21 runs its AVX2 Haswell kernel on AVX-512 CPUs it
-// does not know (AMD Zen 4/5), while tandem's f32 GEMM uses AVX-512 there
-// (Note [CPU GEMM backend] in tensor/cpu/gemm.cpp), which is most of tandem's
-// lead on the block. So on AVX-512 machines every round also runs LibTorch
-// with OPENBLAS_CORETYPE=SkylakeX (OpenBLAS's own AVX-512 kernels) and
-// OMP_WAIT_POLICY=passive, and reports tandem against it. It is informational:
-// the target rows compare with LibTorch as installed, as the issue defines them.
-bool avx512_machine() {
-#if defined(__x86_64__)
-  return __builtin_cpu_supports("avx512f");
-#else
-  return false;
-#endif
-}
-constexpr const char* kAvx512Env = "env OMP_WAIT_POLICY=passive OPENBLAS_CORETYPE=SkylakeX";
+struct BaselineRuns {
+  Baseline baseline;
+  std::vector<std::vector<Json>> rounds;  // [round][policy]
+  std::string error;                      // the first failed run
+};
 
 struct Rounds {
   std::vector<TandemRound> tandem;
-  std::vector<std::vector<Json>> libtorch;  // [round][policy]
-  std::vector<Json> libtorch_avx512;        // [round]; empty when not run
-  std::string libtorch_error;               // the first failed LibTorch run
+  std::vector<BaselineRuns> baselines;
 };
 
-// Note [LibTorch rounds]. Without `program`, tandem only.
-Rounds run_rounds(const std::string& program, bool want_chain, bool want_block,
+// Note [LibTorch rounds]. Without baselines, tandem only.
+Rounds run_rounds(const std::vector<Baseline>& baselines, bool want_chain, bool want_block,
                   const CompareConfig& config, ChainWorkload& chain, BlockWorkload& block) {
   Rounds rounds;
+  for (const Baseline& b : baselines)
+    rounds.baselines.push_back({b, {}, {}});
   auto run_tandem = [&] {
     TandemRound r;
     ops::set_num_threads(1);
@@ -333,31 +398,29 @@ Rounds run_rounds(const std::string& program, bool want_chain, bool want_block,
       r.block[threads] = measure([&](double& f, double& b) { block.step(f, b); },
                                  config.block_trials, config.min_trial_s);
     }
-    // Let OpenBLAS's second thread go idle before LibTorch's process starts.
+    // Let the kernel pool's second thread go idle before a baseline starts.
     ops::set_num_threads(1);
     rounds.tandem.push_back(std::move(r));
   };
-  const bool avx512 = want_block && avx512_machine();
-  auto run_libtorch = [&](bool reversed) {
-    std::vector<Json> runs(std::size(kPolicies));
-    for (size_t i = 0; i < runs.size(); ++i) {
-      size_t p = reversed ? runs.size() - 1 - i : i;
-      runs[p] = run_libtorch_program(program, policy_env(p), config);
+  auto run_baselines = [&](bool reversed) {
+    for (BaselineRuns& runs : rounds.baselines) {
+      if (!runs.error.empty()) continue;
+      try {
+        std::vector<Json> round(std::size(kPolicies));
+        for (size_t i = 0; i < round.size(); ++i) {
+          size_t p = reversed ? round.size() - 1 - i : i;
+          round[p] = run_baseline(runs.baseline, kPolicyEnv[p], config);
+        }
+        runs.rounds.push_back(std::move(round));
+      } catch (const std::exception& e) {
+        runs.error = e.what();
+      }
     }
-    // Note [LibTorch on OpenBLAS's AVX-512 kernel].
-    if (avx512) rounds.libtorch_avx512.push_back(run_libtorch_program(program, kAvx512Env, config));
-    rounds.libtorch.push_back(std::move(runs));
   };
   for (int round = 0; round < config.rounds; ++round) {
     bool tandem_first = round % 2 == 0;
     if (tandem_first) run_tandem();
-    if (!program.empty() && rounds.libtorch_error.empty()) {
-      try {
-        run_libtorch(!tandem_first);
-      } catch (const std::exception& e) {
-        rounds.libtorch_error = e.what();
-      }
-    }
+    run_baselines(!tandem_first);
     if (!tandem_first) run_tandem();
   }
   return rounds;
@@ -376,6 +439,7 @@ std::string summarize_tandem(const Rounds& rounds, bool want_chain, bool want_bl
                              Json& tandem_json) {
   std::string text;
   const double per_op = 1e9 / kChainOps;
+  tandem_json["cpu_vector_isa"] = ops::cpu_vector_isa();
   if (want_chain) {
     auto get = [&](double StepTimes::*field) {
       return median_of(
@@ -415,12 +479,12 @@ std::string summarize_tandem(const Rounds& rounds, bool want_chain, bool want_bl
   return text;
 }
 
-// Correctness first: the same loss and gradients as LibTorch from the same
-// bits (its first run's "check"). Returns the mismatch, or empty.
-std::string check_against_libtorch(const Rounds& rounds, bool want_chain, bool want_block,
-                                   ChainWorkload& chain, BlockWorkload& block) {
-  if (!rounds.libtorch_error.empty()) return rounds.libtorch_error;
-  const Json& check = rounds.libtorch.front().front().at("check");
+// Correctness first: the same loss and gradients as the baseline from the
+// same bits (its first run's "check"). Returns the mismatch, or empty.
+std::string check_against(const BaselineRuns& runs, bool want_chain, bool want_block,
+                          ChainWorkload& chain, BlockWorkload& block) {
+  if (!runs.error.empty()) return runs.error;
+  const Json& check = runs.rounds.front().front().at("check");
   if (want_chain) {
     std::string m = compare(chain.check(), json_floats(check.at("chain")), 1e-4, 1e-6);
     if (!m.empty()) return "chain (output, gradient sum): " + m;
@@ -432,17 +496,17 @@ std::string check_against_libtorch(const Rounds& rounds, bool want_chain, bool w
   return {};
 }
 
-// LibTorch's settings for "chain" (per wait policy) or "block" (per wait
+// A baseline's settings for "chain" (per wait policy) or "block" (per wait
 // policy and threads), with their per-round times.
-std::vector<LibTorchSetting> libtorch_settings(const Rounds& rounds, const std::string& what) {
-  std::vector<LibTorchSetting> settings;
+std::vector<BaselineSetting> settings_of(const BaselineRuns& runs, const std::string& what) {
+  std::vector<BaselineSetting> settings;
   for (size_t p = 0; p < std::size(kPolicies); ++p) {
     for (int threads : kThreadSettings) {
-      LibTorchSetting s;
+      BaselineSetting s;
       s.label = what == "chain" ? fmt::format("OMP_WAIT_POLICY {}", kPolicies[p])
                                 : fmt::format("{} thr, OMP_WAIT_POLICY {}", threads, kPolicies[p]);
-      for (const auto& runs : rounds.libtorch)
-        s.per_round.push_back(libtorch_seconds(runs[p], what, threads));
+      for (const auto& round : runs.rounds)
+        s.per_round.push_back(baseline_seconds(round[p], what, threads));
       settings.push_back(std::move(s));
       if (what == "chain") break;  // one thread
     }
@@ -450,68 +514,75 @@ std::vector<LibTorchSetting> libtorch_settings(const Rounds& rounds, const std::
   return settings;
 }
 
-// The "libtorch" JSON field: versions, medians of every setting, every run.
-Json libtorch_summary(const Rounds& rounds, const std::string& program, std::string& text) {
-  Json j = {{"skipped", false}, {"program", program}};
-  if (!rounds.libtorch_error.empty()) {
-    j["error"] = rounds.libtorch_error;
-    text = fmt::format("\nLibTorch run failed: {}", rounds.libtorch_error);
+// A baseline's JSON field: versions, medians of every setting, every run.
+Json baseline_summary(const BaselineRuns& runs, std::string& text) {
+  Json j = {{"skipped", false},
+            {"name", runs.baseline.name},
+            {"command", runs.baseline.command},
+            {"baseline_env", runs.baseline.env}};
+  if (!runs.error.empty()) {
+    j["error"] = runs.error;
+    text = fmt::format("\n{} run failed: {}", runs.baseline.name, runs.error);
     return j;
   }
-  const Json& first = rounds.libtorch.front().front();
+  const Json& first = runs.rounds.front().front();
   j["torch_version"] = first.value("torch_version", "");
   j["blas_threads"] = first.value("blas_threads", "");
+  if (first.contains("cpu_capability")) j["cpu_capability"] = first["cpu_capability"];
   Json medians = Json::object();
-  for (const auto& s : libtorch_settings(rounds, "chain"))
+  for (const auto& s : settings_of(runs, "chain"))
     medians["chain ns/op, " + s.label] = median_of(s.per_round) * 1e9 / kChainOps;
-  for (const auto& s : libtorch_settings(rounds, "block"))
+  for (const auto& s : settings_of(runs, "block"))
     medians["block step ms, " + s.label] = median_of(s.per_round) * 1e3;
-  text =
-      fmt::format("\nLibTorch {} ({}), medians over rounds:", j["torch_version"].get<std::string>(),
-                  j["blas_threads"].get<std::string>());
+  text = fmt::format("\n{} (torch {}{}{}), medians over rounds:", runs.baseline.name,
+                     j["torch_version"].get<std::string>(), runs.baseline.env.empty() ? "" : ", ",
+                     runs.baseline.env);
   for (const auto& [key, value] : medians.items())
     text += fmt::format("\n  {}: {:.1f}", key, value.get<double>());
   j["medians_over_rounds"] = std::move(medians);
-  j["rounds"] = rounds.libtorch;
+  j["rounds"] = runs.rounds;
   return j;
 }
 
-// Fills `row` against LibTorch's best setting; returns its "comparison" entry,
-// in which `scale` turns seconds into `unit` (ns per op, ms per step).
-Json compare_with_best(Row& row, const std::vector<double>& tandem_s, int reps,
-                       const std::vector<LibTorchSetting>& settings, const std::string& what,
+// Fills `row` against the baseline's best setting; returns its "comparison"
+// entry, in which `scale` turns seconds into `unit` (ns per op, ms per step).
+Json compare_with_best(Row& row, const std::string& baseline_name,
+                       const std::vector<double>& tandem_s, int reps,
+                       const std::vector<BaselineSetting>& settings, const std::string& what,
                        double scale, const char* unit, double target_max) {
-  const LibTorchSetting& best = best_setting(settings);
-  row.baseline = "LibTorch, " + best.label;
+  const BaselineSetting& best = best_setting(settings);
+  row.baseline = baseline_name + ", " + best.label;
   row.timing = pair_over_rounds(tandem_s, reps, best);
   double over = 1.0 / row.timing.ratio;
   return {{"what", what},
+          {"baseline", baseline_name},
           {"tandem", median_of(tandem_s) * scale},
-          {"libtorch", median_of(best.per_round) * scale},
+          {"baseline_value", median_of(best.per_round) * scale},
           {"unit", unit},
-          {"libtorch_setting", best.label},
-          {"tandem_over_libtorch", over},
+          {"baseline_setting", best.label},
+          {"tandem_over_baseline", over},
           {"target_max", target_max},
           {"pass", over <= target_max}};
 }
 
-// Process CPU time per call at one thread, tandem / LibTorch (median over
+// Process CPU time per call at one thread, tandem / the baseline (median over
 // rounds): a second view of the one-thread rows that other users' load on the
 // shared cores hardly moves, since time spent descheduled is not counted.
-Json compare_cpu_time(const Rounds& rounds, bool want_chain, bool want_block, std::string& text) {
+Json compare_cpu_time(const Rounds& rounds, const BaselineRuns& runs, bool want_chain,
+                      bool want_block, std::string& text) {
   auto compare_one = [&](const std::string& what, auto tandem_cpu) {
     std::vector<double> t, l, ratios;
-    for (size_t r = 0; r < rounds.tandem.size(); ++r) {
+    for (size_t r = 0; r < rounds.tandem.size() && r < runs.rounds.size(); ++r) {
       double lt = INFINITY;  // the faster wait policy
-      for (const Json& run : rounds.libtorch[r])
-        lt = std::min(lt, libtorch_seconds(run, what, 1, "cpu_median_ms"));
+      for (const Json& run : runs.rounds[r])
+        lt = std::min(lt, baseline_seconds(run, what, 1, "cpu_median_ms"));
       t.push_back(tandem_cpu(rounds.tandem[r]));
       l.push_back(lt);
       ratios.push_back(t.back() / lt);
     }
     return Json{{"tandem_ms", median_of(t) * 1e3},
-                {"libtorch_ms", median_of(l) * 1e3},
-                {"tandem_over_libtorch", median_of(ratios)}};
+                {"baseline_ms", median_of(l) * 1e3},
+                {"tandem_over_baseline", median_of(ratios)}};
   };
   Json cpu = Json::object();
   if (want_chain) {
@@ -520,50 +591,52 @@ Json compare_cpu_time(const Rounds& rounds, bool want_chain, bool want_block, st
   if (want_block) {
     cpu["block"] = compare_one("block", [](const TandemRound& r) { return r.block.at(1).cpu_s; });
   }
-  text = "\nprocess CPU time per call at 1 thread (robust to other users' load):";
+  text = fmt::format(
+      "\nprocess CPU time per call at 1 thread, against {} (robust to other "
+      "users' load):",
+      runs.baseline.name);
   for (const auto& [what, c] : cpu.items()) {
-    text += fmt::format("\n  {}: tandem {:.3f} ms, LibTorch {:.3f} ms, tandem / LibTorch {:.3f}",
-                        what, c.at("tandem_ms").get<double>(), c.at("libtorch_ms").get<double>(),
-                        c.at("tandem_over_libtorch").get<double>());
+    text += fmt::format("\n  {}: tandem {:.3f} ms, {} {:.3f} ms, tandem / {} {:.3f}", what,
+                        c.at("tandem_ms").get<double>(), runs.baseline.name,
+                        c.at("baseline_ms").get<double>(), runs.baseline.name,
+                        c.at("tandem_over_baseline").get<double>());
   }
   return cpu;
 }
 
-// Note [LibTorch on OpenBLAS's AVX-512 kernel]: tandem's block step at each
-// thread setting over LibTorch's faster thread setting with OpenBLAS's AVX-512
-// kernels (median over rounds of the per-round ratio). Not a target row.
-Json compare_with_avx512_libtorch(const Rounds& rounds, std::string& text) {
-  LibTorchSetting best;
-  for (int threads : kThreadSettings) {
-    LibTorchSetting s;
-    s.label = fmt::format("{} thr, OMP_WAIT_POLICY passive, OPENBLAS_CORETYPE=SkylakeX", threads);
-    for (const Json& run : rounds.libtorch_avx512)
-      s.per_round.push_back(libtorch_seconds(run, "block", threads));
-    if (best.per_round.empty() || median_of(s.per_round) < median_of(best.per_round)) best = s;
-  }
-  Json j = {{"libtorch_setting", best.label},
-            {"libtorch_ms", median_of(best.per_round) * 1e3},
-            {"informational", true}};
-  text = fmt::format(
-      "\nLibTorch on OpenBLAS's AVX-512 kernels (informational, Note [LibTorch on OpenBLAS's "
-      "AVX-512 kernel]): block step {:.1f} ms ({}); tandem / that:",
-      median_of(best.per_round) * 1e3, best.label);
-  for (int threads : kThreadSettings) {
-    std::vector<double> ratios;
-    for (size_t r = 0; r < rounds.tandem.size() && r < best.per_round.size(); ++r)
-      ratios.push_back(rounds.tandem[r].block.at(threads).total_s / best.per_round[r]);
-    const double ratio = median_of(ratios);
-    j[fmt::format("tandem_{}_thread_over_libtorch", threads)] = ratio;
-    text += fmt::format(" {:.3f} at {} thread{}", ratio, threads, threads == 1 ? "" : "s");
-    if (threads != kThreadSettings[std::size(kThreadSettings) - 1]) text += ",";
-  }
-  return j;
+// Tandem's 2-thread step against its own 1-thread step (per-round ratio):
+// whether the second core pays. Target: 2 threads at most kScalingTargetMax
+// of 1 thread.
+void add_scaling_row(Report& report, const Rounds& rounds, Json& comparison) {
+  Row row;
+  row.group = "block";
+  row.name = fmt::format("B{} S{} d{} h{} 2 vs 1 thread", kBatch, kSeq, kModel, kHeads);
+  row.device = "cpu";
+  row.threads = 2;
+  row.baseline = "tandem at 1 thread";
+  row.target = 1.0 / kScalingTargetMax;
+  if (!report.wants(row)) return;
+  BaselineSetting one{"tandem, 1 thread", tandem_per_round(rounds, [](const TandemRound& r) {
+                        return r.block.at(1).total_s;
+                      })};
+  row.timing = pair_over_rounds(
+      tandem_per_round(rounds, [](const TandemRound& r) { return r.block.at(2).total_s; }), 1, one);
+  const double over = 1.0 / row.timing.ratio;
+  comparison.push_back({{"what", "block step, tandem at 2 threads over 1 thread"},
+                        {"baseline", "tandem at 1 thread"},
+                        {"tandem", row.timing.tandem.median_s * 1e3},
+                        {"baseline_value", row.timing.baseline.median_s * 1e3},
+                        {"unit", "ms"},
+                        {"tandem_over_baseline", over},
+                        {"target_max", kScalingTargetMax},
+                        {"pass", over <= kScalingTargetMax}});
+  report.add(std::move(row));
 }
 
-// The rounds against LibTorch; without the LibTorch program, tandem's figures
-// only. Sets the "tandem" (adding to `tandem_json`), "libtorch",
+// The rounds against every baseline found; without any, tandem's figures
+// only. Sets the "tandem" (adding to `tandem_json`), "baselines",
 // "cpu_time_1_thread" and "comparison" JSON fields.
-void bench_against_libtorch(Report& report, const Options& options, Json tandem_json) {
+void bench_against_baselines(Report& report, const Options& options, Json tandem_json) {
   const CompareConfig config = compare_config(options);
   const bool want_chain = report.wants(overhead_row("LibTorch", 0));
   const bool want_block = report.wants(block_row(1, "LibTorch"));
@@ -571,78 +644,96 @@ void bench_against_libtorch(Report& report, const Options& options, Json tandem_
     report.set("tandem", std::move(tandem_json), "");
     return;
   }
+  Json skipped = Json::object();
+  std::vector<Baseline> baselines;
   std::string why_not;
-  const std::string program = find_libtorch_program(why_not);
-  report.note(program.empty()
-                  ? fmt::format("\nmeasuring tandem ({} rounds); LibTorch comparison skipped",
-                                config.rounds)
+  if (auto b = find_libtorch(why_not)) {
+    baselines.push_back(*b);
+  } else {
+    skipped["libtorch"] = {{"skipped", true}, {"reason", why_not}};
+  }
+  why_not.clear();
+  if (auto b = find_pytorch(why_not)) {
+    baselines.push_back(*b);
+  } else {
+    skipped["pytorch"] = {{"skipped", true}, {"reason", why_not}};
+  }
+  std::string names;
+  for (const Baseline& b : baselines)
+    names += (names.empty() ? "" : " and ") + b.name;
+  report.note(baselines.empty()
+                  ? fmt::format("\nmeasuring tandem ({} rounds); no baseline found", config.rounds)
                   : fmt::format("\nalternating tandem and {} (OMP_WAIT_POLICY unset, passive) "
                                 "for {} rounds ...",
-                                kLibTorchProgram, config.rounds));
+                                names, config.rounds));
   ChainWorkload chain;
   BlockWorkload block;
-  const Rounds rounds = run_rounds(program, want_chain, want_block, config, chain, block);
+  const Rounds rounds = run_rounds(baselines, want_chain, want_block, config, chain, block);
   std::string tandem_text = summarize_tandem(rounds, want_chain, want_block, tandem_json);
   if (want_block) {
     std::string text;
     tandem_json["block_memory"] = measure_block_memory(block, text);
     tandem_text += "\n" + text;
   }
-  if (program.empty()) {
-    report.set("tandem", std::move(tandem_json), tandem_text);
-    report.set("libtorch", {{"skipped", true}, {"reason", why_not}},
-               fmt::format("LibTorch comparison skipped: {}", why_not));
-    return;
-  }
-
-  const std::string mismatch = check_against_libtorch(rounds, want_chain, want_block, chain, block);
-  Json comparison = Json::array();
-  if (want_chain) {
-    Row row = overhead_row("LibTorch 1.13", 1.0 / kOverheadTargetMax);
-    if (mismatch.empty()) {
-      comparison.push_back(compare_with_best(
-          row, tandem_per_round(rounds, [](const TandemRound& r) { return r.chain.total_s; }),
-          rounds.tandem.front().chain.reps, libtorch_settings(rounds, "chain"),
-          "per-op overhead, forward+backward", 1e9 / kChainOps, "ns/op", kOverheadTargetMax));
-    }
-    row.error = mismatch;
-    report.add(std::move(row));
-  }
-  for (int threads : kThreadSettings) {
-    if (!want_block) break;
-    Row row = block_row(threads, "LibTorch 1.13 best setting");
-    if (mismatch.empty()) {
-      comparison.push_back(compare_with_best(
-          row,
-          tandem_per_round(rounds,
-                           [&](const TandemRound& r) { return r.block.at(threads).total_s; }),
-          1, libtorch_settings(rounds, "block"),
-          fmt::format("block step, tandem at {} thread{}", threads, threads == 1 ? "" : "s"), 1e3,
-          "ms", kBlockTargetMax));
-    }
-    row.error = mismatch;
-    report.add(std::move(row));
-  }
-
-  std::string text;
   report.set("tandem", std::move(tandem_json), tandem_text);
-  Json libtorch_json = libtorch_summary(rounds, program, text);
-  report.set("libtorch", std::move(libtorch_json), text);
-  if (!mismatch.empty()) return;
-  Json cpu = compare_cpu_time(rounds, want_chain, want_block, text);
-  report.set("cpu_time_1_thread", std::move(cpu), text);
-  text = "\ntandem / LibTorch, median over rounds of the per-round ratio:";
+
+  Json comparison = Json::array();
+  Json baselines_json = skipped;
+  Json cpu_json = Json::object();
+  std::string skipped_text;
+  for (const auto& [key, value] : skipped.items())
+    skipped_text +=
+        fmt::format("\n{} comparison skipped: {}", key, value.at("reason").get<std::string>());
+  std::string cpu_text;
+  for (const BaselineRuns& runs : rounds.baselines) {
+    const std::string& name = runs.baseline.name;
+    const std::string mismatch = check_against(runs, want_chain, want_block, chain, block);
+    if (want_chain) {
+      Row row = overhead_row(name, 1.0 / kOverheadTargetMax);
+      if (mismatch.empty()) {
+        comparison.push_back(compare_with_best(
+            row, name,
+            tandem_per_round(rounds, [](const TandemRound& r) { return r.chain.total_s; }),
+            rounds.tandem.front().chain.reps, settings_of(runs, "chain"),
+            "per-op overhead, forward+backward", 1e9 / kChainOps, "ns/op", kOverheadTargetMax));
+      }
+      row.error = mismatch;
+      report.add(std::move(row));
+    }
+    for (int threads : kThreadSettings) {
+      if (!want_block) break;
+      Row row = block_row(threads, name + " best setting");
+      if (mismatch.empty()) {
+        comparison.push_back(compare_with_best(
+            row, name,
+            tandem_per_round(rounds,
+                             [&](const TandemRound& r) { return r.block.at(threads).total_s; }),
+            1, settings_of(runs, "block"),
+            fmt::format("block step, tandem at {} thread{}", threads, threads == 1 ? "" : "s"), 1e3,
+            "ms", kBlockTargetMax));
+      }
+      row.error = mismatch;
+      report.add(std::move(row));
+    }
+    std::string text;
+    baselines_json[runs.baseline.key] = baseline_summary(runs, text);
+    skipped_text += text;
+    if (mismatch.empty()) {
+      cpu_json[runs.baseline.key] = compare_cpu_time(rounds, runs, want_chain, want_block, text);
+      cpu_text += text;
+    }
+  }
+  if (want_block) add_scaling_row(report, rounds, comparison);
+  report.set("baselines", std::move(baselines_json), skipped_text);
+  if (!cpu_json.empty()) report.set("cpu_time_1_thread", std::move(cpu_json), cpu_text);
+  std::string text = "\ntandem / baseline, median over rounds of the per-round ratio:";
   for (const Json& c : comparison) {
-    text +=
-        fmt::format("\n  {}: {:.3f} (target <= {:.2f}) {}", c.at("what").get<std::string>(),
-                    c.at("tandem_over_libtorch").get<double>(), c.at("target_max").get<double>(),
-                    c.at("pass").get<bool>() ? "PASS" : "MISS");
+    text += fmt::format(
+        "\n  {} against {}: {:.3f} (target <= {:.2f}) {}", c.at("what").get<std::string>(),
+        c.at("baseline").get<std::string>(), c.at("tandem_over_baseline").get<double>(),
+        c.at("target_max").get<double>(), c.at("pass").get<bool>() ? "PASS" : "MISS");
   }
   report.set("comparison", std::move(comparison), text);
-  if (want_block && !rounds.libtorch_avx512.empty()) {
-    Json avx = compare_with_avx512_libtorch(rounds, text);
-    report.set("libtorch_openblas_avx512", std::move(avx), text);
-  }
 }
 
 }  // namespace
@@ -666,7 +757,7 @@ int run_autograd(const Options& options) {
   Json tandem_json = Json::object();
   bench_overhead_vs_ops(report, config, tandem_json);
   try {
-    bench_against_libtorch(report, options, std::move(tandem_json));
+    bench_against_baselines(report, options, std::move(tandem_json));
   } catch (const std::exception& e) {  // a tandem op failing in the rounds
     Row row = block_row(1, "LibTorch");
     row.error = e.what();

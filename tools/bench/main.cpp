@@ -12,6 +12,7 @@
 #include "tools/bench/bench.h"
 
 int main(int argc, char** argv) {
+  tandem::bench::hold_blas_to_kernel_isa(argv);
   CLI::App app{"tandem-bench: tandem against baselines measured in the same run"};
   app.require_subcommand(1);
 

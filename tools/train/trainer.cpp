@@ -512,6 +512,15 @@ void run_rank(const TrainOptions& o, const Task& task, ProcessGroupPtr world, st
     }
     if (r.root()) reset_peak_memory(r.device);
     StepStats s = run_step(r, step, schedule, fault);
+    if (o.settle_memory) {
+      r.world->barrier({"settle"})->synchronize();
+      if (r.root()) {
+        const MemoryStats mem = memory_stats(r.device);
+        s.settled_bytes = mem.allocated_bytes;
+        s.peak_bytes = mem.peak_allocated_bytes;  // now covering every rank's step
+      }
+      r.world->barrier({"settled"})->synchronize();
+    }
     const bool last = step + 1 == o.steps;
     const bool stop = o.stop_accuracy > 0 && s.accuracy >= o.stop_accuracy &&
                       ((step + 1) % std::max<int64_t>(o.log_every, 1) == 0 || last);

@@ -85,6 +85,12 @@ struct TrainOptions {
   double stop_accuracy = 0;       // > 0: stop once the logged accuracy reaches it
   // Fault injection (Note [Injected faults]): "RANK:STEP:KIND", empty = none.
   std::string fault;
+  // Memory that does not depend on thread timing (tests; two barriers a
+  // step): every rank meets at a barrier after each step, rank 0 reads the
+  // allocator's current bytes into StepStats::settled_bytes, and a second
+  // barrier starts the next step on every rank at once, so that each step's
+  // peak covers that step of every rank and nothing else.
+  bool settle_memory = false;
 };
 
 // Note [Injected faults]
@@ -124,6 +130,10 @@ struct StepStats {
   int64_t peak_bytes = 0;      // allocator peak during the step (process-wide)
   int64_t reserved_bytes = 0;  // allocator cache after the step (process-wide)
   int64_t resident_bytes = 0;  // the process's resident set after the step
+  // Allocated bytes once every rank has finished the step (settle_memory
+  // only; 0 otherwise): what outlives a step, e.g. parameters, gradients and
+  // optimizer state, independent of how the ranks' threads interleaved.
+  int64_t settled_bytes = 0;
 };
 
 struct TrainResult {

@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""The PyTorch 2.x side of `tandem-bench autograd`.
+
+It measures what tools/bench/bench_autograd.cpp measures for tandem -- a chain
+of 1,000 tiny elementwise ops (forward+backward) and one pre-norm transformer
+block step at 1 and 2 threads -- with the same trial protocol as
+tools/bench/libtorch_autograd.cpp, and prints one JSON object of the same
+shape. Attention is F.scaled_dot_product_attention(is_causal=True), PyTorch's
+fused CPU attention. tandem-bench runs it in its own process (with and without
+OMP_WAIT_POLICY=passive), found through TANDEM_BENCH_PYTHON or python3 on PATH.
+
+A comparison tool only, never a dependency of tandem or of its tests.
+
+  pytorch_autograd.py [--chain-trials N] [--block-trials N] [--min-trial-ms X]
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# Note [Autograd benchmark workload] in bench_autograd_workload.h: these
+# constants and workload_values() must match that file bit for bit.
+CHAIN_OPS = 1000
+CHAIN_NUMEL = 4
+BATCH, SEQ, MODEL, HEADS, HIDDEN = 4, 256, 256, 4, 1024
+MASK64 = (1 << 64) - 1
+
+
+def workload_values(salt, n, scale, offset):
+    # splitmix64 in uint64 arithmetic, which wraps modulo 2^64 as in C++.
+    with np.errstate(over="ignore"):
+        z = np.arange(n, dtype=np.uint64) + np.uint64(((salt << 32) + 0x9E3779B97F4A7C15) & MASK64)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    # Exact in f32: a multiple of 2^-23 in [-1, 1).
+    u = (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-23) - np.float32(1.0)
+    # u * scale is exact (scale is a power of two); + offset rounds once in f32.
+    return torch.from_numpy(u) * scale + offset
+
+
+def workload_tensor(salt, shape, scale, offset=0.0):
+    n = math.prod(shape)
+    return workload_values(salt, n, scale, offset).reshape(shape).contiguous()
+
+
+def leaf(t):
+    return t.requires_grad_(True)
+
+
+class Chain:
+    def __init__(self):
+        self.x = leaf(workload_tensor(11, [CHAIN_NUMEL], 1.0))
+        self.c = workload_tensor(12, [CHAIN_NUMEL], 0.125)
+
+    def forward(self):
+        y = self.x
+        for i in range(CHAIN_OPS):
+            if i % 3 == 0:
+                y = y * 0.9
+            elif i % 3 == 1:
+                y = y + self.c
+            else:
+                y = torch.tanh(y)
+        return y.sum()
+
+    def step(self, times):
+        t0 = time.perf_counter()
+        loss = self.forward()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.x.grad = None  # set to none, as tandem's zero_grad
+        times[0] += t1 - t0
+        times[1] += t2 - t1
+
+    def check(self):
+        loss = self.forward()
+        loss.backward()
+        g = self.x.grad.sum().item()
+        self.x.grad = None
+        return [loss.item(), g]
+
+
+class Block:
+    def __init__(self):
+        self.ln1_w = leaf(workload_tensor(1, [MODEL], 0.125, 1.0))
+        self.ln1_b = leaf(workload_tensor(2, [MODEL], 0.125))
+        self.w_qkv = leaf(workload_tensor(3, [3 * MODEL, MODEL], 1.0 / 16))
+        self.w_o = leaf(workload_tensor(4, [MODEL, MODEL], 1.0 / 16))
+        self.ln2_w = leaf(workload_tensor(5, [MODEL], 0.125, 1.0))
+        self.ln2_b = leaf(workload_tensor(6, [MODEL], 0.125))
+        self.w_gate = leaf(workload_tensor(7, [HIDDEN, MODEL], 1.0 / 16))
+        self.w_up = leaf(workload_tensor(8, [HIDDEN, MODEL], 1.0 / 16))
+        self.w_down = leaf(workload_tensor(9, [MODEL, HIDDEN], 1.0 / 32))
+        self.x = workload_tensor(10, [BATCH, SEQ, MODEL], 1.0)
+
+    def params(self):
+        return [self.ln1_w, self.ln1_b, self.w_qkv, self.w_o, self.ln2_w, self.ln2_b,
+                self.w_gate, self.w_up, self.w_down]
+
+    def loss(self):
+        B, S, D, H = BATCH, SEQ, MODEL, HEADS
+        Dh = D // H
+        h = F.layer_norm(self.x, (D,), self.ln1_w, self.ln1_b, 1e-5)
+        q, k, v = F.linear(h, self.w_qkv).split(D, -1)
+
+        def heads(t):
+            return t.view(B, S, H, Dh).transpose(1, 2)
+
+        a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        y = self.x + F.linear(a.transpose(1, 2).reshape(B, S, D), self.w_o)
+        h = F.layer_norm(y, (D,), self.ln2_w, self.ln2_b, 1e-5)
+        m = F.linear(F.silu(F.linear(h, self.w_gate)) * F.linear(h, self.w_up), self.w_down)
+        return (y + m).mean()
+
+    def step(self, times):
+        t0 = time.perf_counter()
+        loss = self.loss()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        for p in self.params():
+            p.grad = None
+        times[0] += t1 - t0
+        times[1] += t2 - t1
+
+    def check(self):
+        loss = self.loss()
+        loss.backward()
+        values = [loss.item()]
+        for p in self.params():
+            values.append(p.grad.to(torch.float64).norm().item())
+            p.grad = None
+        return values
+
+
+def median(v):
+    v = sorted(v)
+    n = len(v)
+    return v[n // 2] if n % 2 == 1 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def measure(step, trials, min_trial_s):
+    """The protocol of bench_autograd_workload.cpp's measure()."""
+    times = [0.0, 0.0]
+    step(times)  # warm-up
+    reps = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(reps):
+            step(times)
+        t = time.perf_counter() - start
+        if t >= min_trial_s or reps >= (1 << 20):
+            break
+        reps = max(2 * reps, math.ceil(reps * 1.2 * min_trial_s / t))
+    total, forward, backward, cpu = [], [], [], []
+    for _ in range(trials):
+        times = [0.0, 0.0]
+        cpu_start = time.process_time()
+        start = time.perf_counter()
+        for _ in range(reps):
+            step(times)
+        total.append((time.perf_counter() - start) / reps)
+        cpu.append((time.process_time() - cpu_start) / reps)
+        forward.append(times[0] / reps)
+        backward.append(times[1] / reps)
+    return {
+        "median_ms": median(total) * 1e3,
+        "forward_median_ms": median(forward) * 1e3,
+        "backward_median_ms": median(backward) * 1e3,
+        "cpu_median_ms": median(cpu) * 1e3,
+        "min_ms": min(total) * 1e3,
+        "reps": reps,
+        "trials": trials,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chain-trials", type=int, default=11)
+    parser.add_argument("--block-trials", type=int, default=7)
+    parser.add_argument("--min-trial-ms", type=float, default=20.0)
+    args = parser.parse_args()
+    if args.chain_trials < 1 or args.block_trials < 1 or not args.min_trial_ms > 0:
+        parser.error("expected positive trial counts and --min-trial-ms")
+    major = int(torch.__version__.split(".")[0])
+    if major < 2:
+        print(f"pytorch_autograd.py: expected PyTorch 2.x, got {torch.__version__}", file=sys.stderr)
+        return 1
+
+    out = {
+        "program": "pytorch_autograd.py",
+        "torch_version": torch.__version__,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        "blas_threads": "torch.set_num_threads",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "attention": "F.scaled_dot_product_attention(is_causal=True)",
+    }
+    torch.set_num_threads(1)
+    chain, block = Chain(), Block()
+    out["check"] = {"chain": chain.check(), "block": block.check()}
+    chain_json = measure(chain.step, args.chain_trials, args.min_trial_ms * 1e-3)
+    chain_json["ops"] = CHAIN_OPS
+    out["chain"] = chain_json
+    threads = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        t = measure(block.step, args.block_trials, args.min_trial_ms * 1e-3)
+        t["threads"] = n
+        t["torch_num_threads"] = torch.get_num_threads()
+        threads.append(t)
+    out["block"] = {
+        "shape": {"B": BATCH, "S": SEQ, "d": MODEL, "heads": HEADS, "hidden": HIDDEN},
+        "threads": threads,
+    }
+    out["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
