@@ -101,8 +101,11 @@ WorkPtr ProcessGroup::issue(Collective c, std::vector<Tensor> keep) {
   Device device = c.input.defined() ? c.input.device() : Device::cpu();
   // An inline CPU stream has run everything before this call: an event
   // recorded there would be complete at once, and one never recorded is.
+  // So has an idle async one, whose record would still be queued behind
+  // nothing and make the launch look unready (the threads backend would then
+  // post it from its comm thread, a hand-off, instead of at once).
   const Stream& stream = current_stream(device);
-  if (!stream.is_inline()) c.ready.record(stream);
+  if (!stream.is_inline() && !(device.is_cpu() && stream.query())) c.ready.record(stream);
   WorkPtr work = c.work;
   std::lock_guard<std::mutex> lock(issue_mutex());
   c.entry = ledger_.append(std::move(c.entry));

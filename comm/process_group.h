@@ -70,7 +70,7 @@ struct Collective {
   std::vector<P2POp> p2p;                            // batch: contiguous tensors
   std::vector<Tensor> p2p_outputs;                   // one per Recv op, in order
   // Recorded on the caller's stream after the input was produced (left
-  // unrecorded, so complete, on an inline CPU stream).
+  // unrecorded, so complete, on an inline or idle CPU stream).
   Event ready;
   WorkPtr work;
 };

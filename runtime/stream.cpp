@@ -269,4 +269,17 @@ float Event::elapsed_ms(const Event& end) const {
   return std::chrono::duration<float, std::milli>(end_at - start_at).count();
 }
 
+HandOff::HandOff(Device device) : device_(device) {
+  // An event never recorded is complete: nothing to do for streams that have
+  // run everything enqueued (inline ones always have).
+  const Stream& cpu = current_stream(Device::cpu());
+  if (!cpu.query()) cpu_.record(cpu);
+  if (device_.is_cuda()) device_event_.record(current_stream(device_));
+}
+
+void HandOff::wait() const {
+  cpu_.wait(current_stream(Device::cpu()));
+  if (device_.is_cuda()) device_event_.wait(current_stream(device_));
+}
+
 }  // namespace tandem

@@ -20,6 +20,18 @@
 // Buffer lifetime: on CPU a closure captures the storages it touches, so a
 // buffer cannot be reused while a stream still holds work on it. On CUDA the
 // caching allocator tracks the streams that used a block (record_stream).
+//
+// Note [Thread hand-off]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Each thread has its own current stream, so a tensor handed to another
+// thread (a closure for a Worker, the body of a rank thread) may still be
+// unwritten on the sending thread's stream when the receiving thread's stream
+// reads it. Whoever hands work to another thread therefore forks: it records
+// a HandOff on its own current streams, and the receiving thread waits on it
+// (HandOff::wait) on its current streams before it runs the work. Whoever
+// joins a thread's work synchronises that thread's stream before the results
+// are read (Worker::synchronize, run_ranks). On inline streams both halves are
+// free: an inline stream has run everything already.
 #pragma once
 
 #include <cstdint>
@@ -115,6 +127,20 @@ class Event {
 
  private:
   std::shared_ptr<detail::EventImpl> impl_;
+};
+
+// The fork half of Note [Thread hand-off]: records the calling thread's
+// current CPU stream (and its current stream of `device` when that is a CUDA
+// device); wait() makes the calling thread's current streams of the same
+// devices wait for those records.
+class HandOff {
+ public:
+  explicit HandOff(Device device = Device::cpu());
+  void wait() const;
+
+ private:
+  Device device_;
+  Event cpu_, device_event_;
 };
 
 }  // namespace tandem

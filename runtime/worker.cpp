@@ -5,7 +5,7 @@
 namespace tandem {
 
 Worker::Worker(std::string name, Device device)
-    : stream_(Stream::create(device, CpuStreamMode::Inline, name + "/stream")),
+    : stream_(Stream::create(device, default_cpu_stream_mode(), name + "/stream")),
       queue_(std::make_unique<TaskQueue>(name)) {
   // The worker thread adopts the stream (and the caller's log rank) first.
   Stream stream = stream_;
@@ -19,8 +19,14 @@ Worker::Worker(std::string name, Device device)
 
 Worker::~Worker() = default;
 
+// The closure's tensors may still be in flight on the caller's stream (Note
+// [Thread hand-off]): the worker's stream waits for them first.
 void Worker::submit(std::function<void()> fn) {
-  queue_->push(std::move(fn));
+  HandOff handed(stream_.device());
+  queue_->push([handed, fn = std::move(fn)] {
+    handed.wait();
+    fn();
+  });
 }
 
 void Worker::synchronize() {

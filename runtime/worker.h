@@ -17,12 +17,15 @@ namespace tandem {
 class Worker {
  public:
   // `device`: the device whose stream becomes the worker's current stream. On
-  // CPU the worker's stream is inline: ops run on the worker thread itself.
+  // CPU the worker's stream has the default mode (default_cpu_stream_mode()):
+  // inline runs ops on the worker thread itself, async on a stream of its own.
   explicit Worker(std::string name, Device device = Device::cpu());
   ~Worker();  // drains and joins; never throws
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
+  // Runs `fn` on the worker after the worker's stream has waited for the
+  // caller's current stream (Note [Thread hand-off]).
   void submit(std::function<void()> fn);
   // Waits for every submitted closure and for the worker's stream; rethrows the
   // first error. Bounded by wait_timeout().

@@ -154,6 +154,17 @@ run_avx2() {
   run_suites avx2 "$avx2_build" "" "${avx2_suites[@]}"
 }
 
+# The whole suite a second time from the normal build with every thread's
+# default CPU stream asynchronous (TANDEM_CPU_STREAMS=async; the workers'
+# streams follow), so that an op that reads before its producer ran, or a
+# tensor handed to another thread without an event, shows up as a wrong
+# result or an error (README, "Streams and events"). Reports go to
+# $build/tests/junit-async-<suite>.xml. TANDEM_SKIP_ASYNC=1 skips it.
+async_suites=(runtime tensor autograd comm parallel train tools)
+run_async() {
+  run_suites async "$build" "TANDEM_CPU_STREAMS=async" "${async_suites[@]}"
+}
+
 # libFuzzer targets (tools/fuzz, built with clang++ in their own directory),
 # each run for TANDEM_FUZZ_SECONDS (default 20) from its seed corpus; what the
 # run adds goes to $fuzz_build/corpus/<fuzzer>, emptied first so that every
@@ -240,6 +251,12 @@ run_tests() {
     timed avx2 run_avx2 || failed=$?
     extra_failed=$((extra_failed + failed))
     reports+=("$avx2_build"/tests/junit-avx2-*.xml)
+  fi
+  if [[ "${TANDEM_SKIP_ASYNC:-0}" != 1 ]]; then
+    failed=0
+    timed async run_async || failed=$?
+    extra_failed=$((extra_failed + failed))
+    reports+=("$build"/tests/junit-async-*.xml)
   fi
   if [[ "${TANDEM_SKIP_TSAN:-0}" != 1 ]]; then
     failed=0

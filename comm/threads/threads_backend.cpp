@@ -92,12 +92,68 @@ struct Ticket {
   Clock::time_point posted_at;
 };
 
+// Note [Threads group lifetime]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A ThreadsWork never owns its group. If it did (a shared_ptr locked for the
+// drive), the group's destructor would run wherever the last driver let go,
+// which may be an async stream's executor running Work::wait()'s task after
+// the rank dropped the group; the destructor waits for the comm thread, which
+// may be waiting for a launch's ready event recorded on that very stream
+// (Note [Stream ordering]): a deadlock. Works reach their group through a
+// GroupAnchor instead, and the group's destructor, wherever it runs, ends in
+// this order: (1) it stops hand-offs to its comm thread (a Work observed by
+// a callback alone is then left to step 3), (2) drains the comm thread, while
+// waiters keep driving their rounds (a waiter that merely waited could hold
+// up, on its stream, the ready event of a post the comm thread still has to
+// make), (3) drives every round of its rank to its end, finishing every
+// Work, and (4) waits for the drivers still inside and clears the anchor.
+struct GroupAnchor {
+  std::mutex mu;
+  std::condition_variable cv;
+  ThreadsProcessGroup* group = nullptr;  // null once the group is going
+  int drivers = 0;
+  bool comm_thread_open = true;
+
+  // Runs fn(group) unless the group is going (it finishes the Work then).
+  template <class F>
+  void with_group(F&& fn) {
+    ThreadsProcessGroup* g;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (group == nullptr) return;
+      g = group;
+      ++drivers;
+    }
+    fn(*g);  // never throws: drive() reports through the Work
+    std::lock_guard<std::mutex> lock(mu);
+    if (--drivers == 0) cv.notify_all();
+  }
+
+  // Runs fn(group), which must not block, while the comm thread takes work.
+  template <class F>
+  void with_comm_thread(F&& fn) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (group != nullptr && comm_thread_open) fn(*group);
+  }
+
+  void close_comm_thread() {
+    std::lock_guard<std::mutex> lock(mu);
+    comm_thread_open = false;
+  }
+
+  void clear() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return drivers == 0; });
+    group = nullptr;
+  }
+};
+
 // The Work of a collective that launch() posted: waiting on it, or asking
 // whether it completed, drives its round (Note [Threads rounds]).
 class ThreadsWork final : public Work {
  public:
-  ThreadsWork(std::string description, std::weak_ptr<ThreadsProcessGroup> group)
-      : Work(std::move(description)), group_(std::move(group)) {}
+  ThreadsWork(std::string description, std::shared_ptr<GroupAnchor> anchor)
+      : Work(std::move(description)), anchor_(std::move(anchor)) {}
 
   void synchronize() override;
   bool is_completed() override;
@@ -113,7 +169,7 @@ class ThreadsWork final : public Work {
   }
 
  private:
-  std::weak_ptr<ThreadsProcessGroup> group_;  // gone: its destructor has finished this Work
+  std::shared_ptr<GroupAnchor> anchor_;  // Note [Threads group lifetime]
   Ticket ticket_;
   bool posted_ = false;
   std::atomic<bool> handed_off_{false};
@@ -128,14 +184,20 @@ class ThreadsProcessGroup final : public ProcessGroup {
         key_(std::move(key)),
         shared_(world_->group(key_, options.name, world_ranks)),
         where_(where()),
-        queue_(std::make_unique<TaskQueue>(fmt::format("comm r{} {}", rank, options.name))) {}
+        queue_(std::make_unique<TaskQueue>(fmt::format("comm r{} {}", rank, options.name))),
+        anchor_(std::make_shared<GroupAnchor>()) {
+    anchor_->group = this;
+  }
 
   // Every collective of this rank ends before its members go: the comm
   // thread's (deferred posts, p2p, driven Works) first, then the rounds
   // posted at launch that nobody waited for.
   ~ThreadsProcessGroup() override {
+    // In the order of Note [Threads group lifetime].
+    anchor_->close_comm_thread();
     queue_.reset();
     drain(UINT64_MAX);
+    anchor_->clear();
   }
 
   std::string backend_name() const override { return "threads"; }
@@ -232,8 +294,7 @@ class ThreadsProcessGroup final : public ProcessGroup {
   std::mutex& issue_mutex() const override { return world_->issue_mutex(world_ranks()[rank()]); }
 
   WorkPtr make_work(std::string description) override {
-    return std::make_shared<ThreadsWork>(
-        std::move(description), std::static_pointer_cast<ThreadsProcessGroup>(shared_from_this()));
+    return std::make_shared<ThreadsWork>(std::move(description), anchor_);
   }
 
   // Every split is a new group, like a new communicator: two splits with the
@@ -525,6 +586,7 @@ class ThreadsProcessGroup final : public ProcessGroup {
   std::shared_ptr<SharedGroup> shared_;
   const std::string where_;  // where(), read by the peers' jobs (Post::where)
   std::unique_ptr<TaskQueue> queue_;
+  std::shared_ptr<GroupAnchor> anchor_;  // Note [Threads group lifetime]
   uint64_t next_round_ = 0;       // under the issue lock
   uint64_t splits_made_ = 0;      // split() calls, serialized like the base's count
   std::atomic<int> deferred_{0};  // launches queued on the comm thread, not yet posted
@@ -538,19 +600,17 @@ class ThreadsProcessGroup final : public ProcessGroup {
 
 void ThreadsWork::synchronize() {
   if (posted_ && !Work::is_completed()) {
-    if (std::shared_ptr<ThreadsProcessGroup> group = group_.lock()) {
+    anchor_->with_group([&](ThreadsProcessGroup& group) {
       CommWaitScope waiting;
-      group->drive(ticket_, *this, true);
-    }
+      group.drive(ticket_, *this, true);
+    });
   }
   Work::synchronize();
 }
 
 bool ThreadsWork::is_completed() {
   if (posted_ && !Work::is_completed()) {
-    if (std::shared_ptr<ThreadsProcessGroup> group = group_.lock()) {
-      group->drive(ticket_, *this, false);
-    }
+    anchor_->with_group([&](ThreadsProcessGroup& group) { group.drive(ticket_, *this, false); });
   }
   return Work::is_completed();
 }
@@ -558,9 +618,9 @@ bool ThreadsWork::is_completed() {
 void ThreadsWork::on_completion(std::function<void()> fn) {
   Work::on_completion(std::move(fn));
   if (posted_ && !Work::is_completed() && !handed_off_.exchange(true)) {
-    if (std::shared_ptr<ThreadsProcessGroup> group = group_.lock()) {
-      group->drive_on_comm_thread(ticket_, shared_from_this());
-    }
+    anchor_->with_comm_thread([&](ThreadsProcessGroup& group) {
+      group.drive_on_comm_thread(ticket_, shared_from_this());
+    });
   }
 }
 
@@ -627,13 +687,18 @@ void run_ranks(int world_size, const std::function<void(ProcessGroupPtr)>& fn,
   std::mutex mu;
   std::vector<RankFailure> failures;
   std::vector<std::thread> threads;
+  // Tensors the caller made before this call, and those the ranks leave for
+  // it, cross threads (Note [Thread hand-off]).
+  const HandOff handed;
   for (int r = 0; r < world_size; ++r) {
     threads.emplace_back([&, r] {
       set_log_context(LogContext{r, world_size});
       set_thread_name(fmt::format("rank {}", r));
       try {
+        handed.wait();
         auto group = std::make_shared<ThreadsProcessGroup>(world, "world", r, ranks, options);
         fn(group);
+        current_stream(Device::cpu()).synchronize();
         group.reset();  // drains this rank's pending collectives
         world->rank_exited(r);
       } catch (const std::exception& e) {

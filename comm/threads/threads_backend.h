@@ -26,13 +26,15 @@ namespace tandem {
 class ThreadsWorld;
 
 // Starts `world_size` rank threads, gives each its world group (threads
-// backend), runs fn on each and joins them all. A rank that throws aborts the
-// world so its peers fail promptly instead of waiting for the timeout. After
-// the join, failures are reported the same way whatever their timing (Note
-// [Rank failure report] in threads_backend.cpp): a single failing rank's
-// exception is rethrown as is; with several, one exception names every
-// failing rank and its message, root causes (a rank's own error) first, then
-// the ranks aborted by a peer's failure, each group in rank order.
+// backend), runs fn on each (after the caller's stream, and synchronising the
+// rank's stream at its end: Note [Thread hand-off]) and joins them all. A
+// rank that throws aborts the world so its peers fail promptly instead of
+// waiting for the timeout. After the join, failures are reported the same way
+// whatever their timing (Note [Rank failure report] in threads_backend.cpp): a
+// single failing rank's exception is rethrown as is; with several, one
+// exception names every failing rank and its message, root causes (a rank's
+// own error) first, then the ranks aborted by a peer's failure, each group in
+// rank order.
 void run_ranks(int world_size, const std::function<void(ProcessGroupPtr world)>& fn,
                ProcessGroupOptions options = {});
 

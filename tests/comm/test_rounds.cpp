@@ -1,5 +1,7 @@
 // How the threads backend's collectives behave beyond their values (Note
 // [Threads rounds]): Work (waits, completion, results, async streams),
+// run_ranks' hand-off of tensors to and from the rank threads (Note [Thread
+// hand-off]), groups dropped while a wait on them is queued on a stream,
 // more collectives in flight than the ring holds, outputs that reuse their
 // rank's block, reductions that give every rank the same bits, pieces copied
 // in parts and all_reduces split across ranks. Rank functions record
@@ -47,6 +49,112 @@ TEST_CASE("Work::wait orders later ops of an async CPU stream after the collecti
     stream.synchronize();
   });
   REQUIRE_NO_FAILURES(failures);
+}
+
+// Note [Thread hand-off]: the rank threads read what the caller's stream
+// still had to write when run_ranks() was called. The write is held by a
+// gate that a helper opens once the ranks have read, or after 200 ms when
+// they are (rightly) held back: a bound that could only hide the bug.
+TEST_CASE("run_ranks: ranks start after what the caller's stream had queued", "[collectives]") {
+  const int world = 3;
+  Stream caller = Stream::create(Device::cpu(), CpuStreamMode::Async, "caller");
+  test::Gate gate;  // after the stream: opened before it is joined
+  StreamGuard guard(caller);
+  Tensor x = ops::full({16}, 1.0);
+  caller.enqueue(gate.waiter());
+  ops::fill_(x, 7.0);
+  std::atomic<int> read{0};
+  std::atomic<bool> early{false};
+  std::thread opener([&] {
+    for (int i = 0; i < 200 && read.load() < world; ++i)
+      test::sleep_ms(1);
+    early = read.load() > 0;
+    gate.open();
+  });
+  Failures failures;
+  std::string error;
+  try {
+    run_ranks(world, [&](ProcessGroupPtr pg) {
+      std::vector<float> seen = ops::mul(x, 1.0).to_vector<float>();
+      ++read;
+      if (seen != std::vector<float>(16, 7.0f))
+        failures.add(
+            fmt::format("rank {}: read x before the caller's stream wrote it", pg->rank()));
+    });
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  opener.join();
+  INFO(error);
+  REQUIRE(error.empty());
+  CHECK_FALSE(early);
+  REQUIRE_NO_FAILURES(failures);
+}
+
+// Note [Thread hand-off], the join: a rank's stream is synchronised before
+// the rank ends, so an error still queued there fails run_ranks() instead of
+// vanishing with the rank's thread.
+TEST_CASE("run_ranks: an error left on a rank's stream reaches the caller", "[collectives]") {
+  const CpuStreamMode saved = default_cpu_stream_mode();
+  set_default_cpu_stream_mode(CpuStreamMode::Async);  // the rank threads' default streams
+  auto body = [](ProcessGroupPtr pg) {
+    current_stream(Device::cpu()).enqueue([rank = pg->rank()] {
+      if (rank == 1) throw Error("[test::rank] expected success, got a late failure");
+    });
+  };
+  std::string error;
+  try {
+    run_ranks(2, body);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  set_default_cpu_stream_mode(saved);
+  REQUIRE_THAT(error, Catch::Contains("a late failure"));
+}
+
+// Note [Threads group lifetime]: a rank drops a group while a wait on it
+// still runs on an async stream, with a later launch on that group whose
+// input waits behind that wait on the same stream. The group must not end
+// on the stream's thread (it would wait for its comm thread, which waits for
+// that stream). Rank 0 lets its wait start before it drops the group, and
+// rank 1 posts only afterwards, so the wait is the last to let go if it
+// owns the group; a deadlock shows as a timeout.
+TEST_CASE("a group dropped while a wait on it runs on an async stream ends cleanly",
+          "[collectives]") {
+  test::ScopedWaitTimeout bound(std::chrono::seconds(10));
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    std::atomic<bool> dropping{false};
+    run_ranks(2, [&](ProcessGroupPtr pg) {
+      ProcessGroupPtr sub = pg->split({0, 1}, "dropped");
+      Tensor x = ops::full({4}, 1.0);
+      if (pg->rank() == 1) {
+        for (int i = 0; i < 10000 && !dropping; ++i)
+          test::sleep_ms(1);
+        test::sleep_ms(20);  // rank 0 drops its group meanwhile
+        WorkPtr a = sub->all_reduce(x), b = sub->all_reduce(x);
+        a->synchronize();
+        b->synchronize();
+        return;
+      }
+      Stream stream = Stream::create(Device::cpu(), CpuStreamMode::Async);
+      StreamGuard guard(stream);
+      x = ops::full({4}, 1.0);
+      stream.synchronize();
+      WorkPtr a = sub->all_reduce(x);
+      std::atomic<bool> reached{false};
+      stream.enqueue([&reached] { reached = true; });
+      a->wait();                       // next on the stream: drives round 0
+      WorkPtr b = sub->all_reduce(x);  // its input is ready behind that wait
+      for (int i = 0; i < 10000 && !reached; ++i)
+        test::sleep_ms(1);
+      test::sleep_ms(5);  // the wait has started
+      dropping = true;
+      sub.reset();
+      a.reset();
+      b.reset();
+      stream.synchronize();
+    });
+  }
 }
 
 TEST_CASE("Work: completion and result", "[collectives]") {
@@ -169,13 +277,17 @@ TEST_CASE("more collectives in flight than the ring holds", "[collectives]") {
 // before it releases the ranks, so a rank frees its own output before it
 // allocates the next, and the allocator hands a thread back its own block
 // (Note [Allocator thread affinity]). A cycle through more blocks than ranks
-// would push a loop's working set out of the cache.
+// would push a loop's working set out of the cache. The input is ready
+// first: on an async stream (TANDEM_CPU_STREAMS=async) a launch whose input
+// is still queued is posted by the comm thread, and a Work that its waiter
+// does not drive may lose its last reference on another thread.
 TEST_CASE("a rank's outputs in a synchronous loop reuse one block", "[collectives]") {
   for (int world : {2, 4}) {
     Failures failures;
     run_ranks(world, [&](ProcessGroupPtr pg) {
       const int rank = pg->rank();
       Tensor x = ops::full({262144}, rank);  // 1 MiB: outputs of `world` MiB
+      current_stream().synchronize();
       std::vector<const void*> blocks;
       for (int i = 0; i < 40; ++i) {
         WorkPtr w = pg->all_gather(x);

@@ -185,6 +185,8 @@ TEST_CASE("a save killed mid-way in a child process leaves the previous checkpoi
     save_layout(dir.path, 1, 1, 0);
     const pid_t child = ::fork();
     if (child == 0) {
+      // Only this thread survives fork: not the executor of an async stream.
+      set_current_stream(Stream::create(Device::cpu(), CpuStreamMode::Inline));
       set_checkpoint_fault_hook([stage](const std::string& at) {
         if (at == stage) ::_exit(3);
       });

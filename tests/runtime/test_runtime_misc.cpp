@@ -153,7 +153,8 @@ TEST_CASE("Worker runs closures in order on one thread with its own stream", "[w
   Worker w("fwd-worker");
   REQUIRE(w.name() == "fwd-worker");
   REQUIRE(w.stream().defined());
-  REQUIRE(w.stream().is_inline());
+  // The worker's stream follows the mode of default streams.
+  REQUIRE(w.stream().is_inline() == (default_cpu_stream_mode() == CpuStreamMode::Inline));
   REQUIRE_FALSE(w.stream() == caller_stream);
 
   std::vector<int> order;
@@ -182,6 +183,43 @@ TEST_CASE("Worker runs closures in order on one thread with its own stream", "[w
   REQUIRE(name_seen == "fwd-worker");
   // The caller's current stream is untouched.
   REQUIRE(current_stream(Device::cpu()) == caller_stream);
+}
+
+// Note [Thread hand-off]: what the caller's stream still has to write before
+// submit() is written before the closure's stream reads it, whichever mode
+// the worker's stream has. The caller's write is held by a gate; the read is
+// given 200 ms to run early, which it does at once when nothing orders it (a
+// bound that could only hide that bug, never fail a correct runtime).
+TEST_CASE("a Worker's closure runs after what the caller's stream had queued", "[worker]") {
+  const CpuStreamMode saved = default_cpu_stream_mode();
+  for (CpuStreamMode mode : {CpuStreamMode::Inline, CpuStreamMode::Async}) {
+    INFO((mode == CpuStreamMode::Inline ? "inline" : "async") << " worker stream");
+    int value = 0, seen = -1;
+    std::atomic<bool> read{false};
+    set_default_cpu_stream_mode(mode);
+    Worker w("hand-off-worker");
+    set_default_cpu_stream_mode(saved);
+    Stream caller = Stream::create(Device::cpu(), CpuStreamMode::Async, "caller");
+    test::Gate gate;  // after the worker and the stream: opened before they are joined
+    {
+      StreamGuard guard(caller);
+      caller.enqueue(gate.waiter());
+      caller.enqueue([&value] { value = 42; });
+      w.submit([&] {
+        current_stream(Device::cpu()).enqueue([&] {
+          seen = value;
+          read = true;
+        });
+      });
+    }
+    for (int i = 0; i < 200 && !read; ++i)
+      sleep_ms(1);
+    CHECK_FALSE(read);
+    gate.open();
+    w.synchronize();
+    REQUIRE(read);
+    REQUIRE(seen == 42);
+  }
 }
 
 TEST_CASE("two workers run concurrently", "[worker]") {

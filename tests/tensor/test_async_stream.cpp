@@ -127,6 +127,70 @@ TEST_CASE("a consumer stream that waits on an event sees the producer's result",
   }
 }
 
+// The README's promise, shown on purpose: a consumer stream that leaves out
+// the Event::wait reads its input before the producer wrote it, and that is
+// caught, as a wrong result or as an error. The producer is held by a gate
+// that opens only after the consumer has been read back, so the producer
+// cannot have run whatever the scheduling: the outcome is deterministic.
+TEST_CASE("a consumer that leaves out the event wait is caught", "[async]") {
+  Stream producer = Stream::create(Device::cpu(), CpuStreamMode::Async, "gated-producer");
+  Stream consumer = Stream::create(Device::cpu(), CpuStreamMode::Async, "consumer");
+  Gate gate;  // after the streams: opened before they are joined
+  const int64_t n = 64;
+
+  SECTION("a wrong result") {
+    Tensor x;
+    Event produced;
+    {
+      StreamGuard guard(producer);
+      x = ops::full({n}, 1.0);
+      producer.synchronize();  // x holds 1 before the producer is held
+      producer.enqueue(gate.waiter());
+      ops::fill_(x, 7.0);  // the producer's write, held behind the gate
+      produced.record(producer);
+    }
+    std::vector<double> without_wait, with_wait;
+    {
+      StreamGuard guard(consumer);
+      // Missing: produced.wait(consumer).
+      without_wait = values_of(ops::mul(x, 2.0));  // synchronises the consumer only
+      REQUIRE_FALSE(produced.query());             // the write has not run
+      produced.wait(consumer);
+      Tensor y = ops::mul(x, 2.0);
+      gate.open();
+      with_wait = values_of(y);
+    }
+    CHECK(without_wait == std::vector<double>(n, 2.0));  // read before the write: wrong
+    CHECK(with_wait == std::vector<double>(n, 14.0));
+  }
+
+  SECTION("an error") {
+    // An index tensor that a producer rewrites from an out-of-range filler to
+    // valid rows; a consumer that reads it too early fails in index_select,
+    // as tandem-train once did with routing indices read before they were
+    // written.
+    Tensor table = ops::full({4, 3}, 5.0);
+    Tensor index;
+    Event produced;
+    {
+      StreamGuard guard(producer);
+      index = ops::full({n}, -1.0, DType::I64);
+      producer.synchronize();
+      producer.enqueue(gate.waiter());
+      ops::fill_(index, 2.0);
+      produced.record(producer);
+    }
+    StreamGuard guard(consumer);
+    Tensor early = ops::index_select(table, 0, index);  // missing: produced.wait(consumer)
+    REQUIRE_THROWS_WITH(consumer.synchronize(),
+                        Contains("[tensor::index_select] expected index in [0, 4), got -1"));
+    produced.wait(consumer);
+    Tensor rows = ops::index_select(table, 0, index);
+    gate.open();
+    REQUIRE(values_of(rows) == std::vector<double>(n * 3, 5.0));
+  }
+}
+
 TEST_CASE("temporaries dropped on the host before the stream ran stay alive", "[async]") {
   std::vector<double> xv = random_stored(256 * 64, 20, DType::F32);
   Stream async = Stream::create(Device::cpu(), CpuStreamMode::Async, "stalled");
