@@ -41,6 +41,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #include "tensor/cpu/parallel.h"
 #include "tensor/cpu/simd.h"
 #include "tensor/kernels.h"
@@ -121,6 +125,50 @@ void micro_kernel(int64_t kc, const float* ap, const float* bp, float* c, int64_
     store_row(acc[r], c + r * ldc, nr, alpha, beta, load_c);
 }
 
+// dst[p * ld_dst + r] = src[r * ld_src + p] for p < kc and r < rows, and 0 for
+// rows <= r < panel_rows: rows of a matrix become the columns of a packed
+// panel. Blocks of 4 rows x 4 steps go through registers (one 4 x 4 transpose:
+// 4 loads, 8 shuffles, 4 stores for 16 floats, where element by element it is
+// 16 loads and 16 stores); panel_rows is a multiple of 2 (kMR or kNR), and a
+// last pair of rows goes through one unpack.
+void transpose_into_panel(const float* src, int64_t ld_src, int64_t rows, int64_t panel_rows,
+                          int64_t kc, float* dst, int64_t ld_dst) {
+  int64_t p_vec = 0;
+#if defined(__SSE2__)
+  p_vec = kc / 4 * 4;
+  auto row = [&](int64_t r, int64_t p) {
+    return r < rows ? _mm_loadu_ps(src + r * ld_src + p) : _mm_setzero_ps();
+  };
+  int64_t r0 = 0;
+  for (; r0 + 4 <= panel_rows; r0 += 4) {
+    for (int64_t p = 0; p < p_vec; p += 4) {
+      __m128 x0 = row(r0, p), x1 = row(r0 + 1, p), x2 = row(r0 + 2, p), x3 = row(r0 + 3, p);
+      _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
+      float* d = dst + p * ld_dst + r0;
+      _mm_storeu_ps(d, x0);
+      _mm_storeu_ps(d + ld_dst, x1);
+      _mm_storeu_ps(d + 2 * ld_dst, x2);
+      _mm_storeu_ps(d + 3 * ld_dst, x3);
+    }
+  }
+  if (r0 < panel_rows) {  // two rows left
+    for (int64_t p = 0; p < p_vec; p += 4) {
+      const __m128 x0 = row(r0, p), x1 = row(r0 + 1, p);
+      const __m128 lo = _mm_unpacklo_ps(x0, x1), hi = _mm_unpackhi_ps(x0, x1);
+      float* d = dst + p * ld_dst + r0;
+      _mm_storel_pi(reinterpret_cast<__m64*>(d), lo);
+      _mm_storeh_pi(reinterpret_cast<__m64*>(d + ld_dst), lo);
+      _mm_storel_pi(reinterpret_cast<__m64*>(d + 2 * ld_dst), hi);
+      _mm_storeh_pi(reinterpret_cast<__m64*>(d + 3 * ld_dst), hi);
+    }
+  }
+#endif
+  for (int64_t p = p_vec; p < kc; ++p) {
+    for (int64_t r = 0; r < panel_rows; ++r)
+      dst[p * ld_dst + r] = r < rows ? src[r * ld_src + p] : 0.0f;
+  }
+}
+
 // Micro-panels [p0, p1) of B[pc:pc+kc, jc:jc+nc] (B(p, j) at b[p * ldb + j], or
 // b[j * ldb + p] when trans), each [kc][kNR], zero-padded past nc.
 void pack_b(const float* b, int64_t ldb, bool trans, int64_t pc, int64_t kc, int64_t jc, int64_t nc,
@@ -128,23 +176,26 @@ void pack_b(const float* b, int64_t ldb, bool trans, int64_t pc, int64_t kc, int
   for (int64_t panel = p0; panel < p1; ++panel) {
     const int64_t j0 = panel * kNR, nr = std::min(kNR, nc - j0);
     float* d = dst + panel * kc * kNR;
-    if (!trans && nr == kNR) {
+    if (trans) {
+      transpose_into_panel(b + (jc + j0) * ldb + pc, ldb, nr, kNR, kc, d, kNR);
+    } else if (nr == kNR) {
+      // Each k step is another row of B, usually another page, where the
+      // hardware prefetchers do not follow: ask for the rows a few steps ahead.
+      constexpr int64_t kAhead = 8;
       for (int64_t p = 0; p < kc; ++p) {
         const float* src = b + (pc + p) * ldb + jc + j0;
+        if (p + kAhead < kc) {
+          for (int64_t v = 0; v < kNR; v += 64 / static_cast<int64_t>(sizeof(float)))
+            __builtin_prefetch(src + kAhead * ldb + v, 0, 3);
+        }
         for (int64_t v = 0; v < kNV; ++v)
           simd::store(d + p * kNR + v * kW, simd::load(src + v * kW));
       }
-    } else if (!trans) {
+    } else {
       for (int64_t p = 0; p < kc; ++p) {
         const float* src = b + (pc + p) * ldb + jc + j0;
         std::memcpy(d + p * kNR, src, static_cast<size_t>(nr) * sizeof(float));
         std::fill(d + p * kNR + nr, d + (p + 1) * kNR, 0.0f);
-      }
-    } else {
-      for (int64_t j = 0; j < kNR; ++j) {
-        const float* src = b + (jc + j0 + j) * ldb + pc;
-        for (int64_t p = 0; p < kc; ++p)
-          d[p * kNR + j] = j < nr ? src[p] : 0.0f;
       }
     }
   }
@@ -156,18 +207,16 @@ void pack_b(const float* b, int64_t ldb, bool trans, int64_t pc, int64_t kc, int
 // of 4 KiB fall into the same L1 sets and evict each other).
 void pack_a(const float* a, int64_t lda, bool trans, int64_t i0, int64_t mr, int64_t pc, int64_t kc,
             float* dst) {
-  if (trans) {  // A(i, p) at a[p * lda + i]: each k step's rows are contiguous
-    for (int64_t p = 0; p < kc; ++p) {
-      const float* src = a + (pc + p) * lda + i0;
+  if (!trans) return transpose_into_panel(a + i0 * lda + pc, lda, mr, kMR, kc, dst, kMR);
+  // A(i, p) at a[p * lda + i]: each k step's rows are contiguous
+  for (int64_t p = 0; p < kc; ++p) {
+    const float* src = a + (pc + p) * lda + i0;
+    if (mr == kMR) {  // a copy of known size: a few vector moves, not a call
+      std::memcpy(dst + p * kMR, src, kMR * sizeof(float));
+    } else {
       std::memcpy(dst + p * kMR, src, static_cast<size_t>(mr) * sizeof(float));
       std::fill(dst + p * kMR + mr, dst + (p + 1) * kMR, 0.0f);
     }
-    return;
-  }
-  for (int64_t r = 0; r < kMR; ++r) {
-    const float* src = a + (i0 + r) * lda + pc;
-    for (int64_t p = 0; p < kc; ++p)
-      dst[p * kMR + r] = r < mr ? src[p] : 0.0f;
   }
 }
 
