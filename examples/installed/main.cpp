@@ -1,0 +1,94 @@
+// A user's model trained with data, context and expert parallelism: 8 ranks as
+// threads of this process, on a dp 2 x ep 2 x cp 2 mesh, built against an
+// installed tandem. The task, predicting the previous token, needs the token
+// that sits on the other context-parallel rank at every shard boundary. Exits
+// non-zero unless the loss falls to half of where it started.
+#include <tandem.h>
+
+#include <atomic>
+#include <cstdio>
+
+using namespace tandem;
+
+constexpr int64_t kVocab = 16, kDim = 32, kSeq = 32, kBatch = 4, kSteps = 80;
+
+struct TinyMoE final : Module {
+  std::shared_ptr<nn::Embedding> tok, pos;
+  std::shared_ptr<nn::TransformerBlock> block;
+  std::shared_ptr<nn::Linear> head;
+  explicit TinyMoE(Generator& gen) : Module("TinyMoE") {
+    tok = register_module("tok", std::make_shared<nn::Embedding>(kVocab, kDim, gen, 0.02));
+    pos = register_module("pos", std::make_shared<nn::Embedding>(kSeq, kDim, gen, 0.02));
+    nn::TransformerBlockConfig c{.d_model = kDim, .n_heads = 4, .hidden = 64, .experts = 4};
+    block = register_module("block", std::make_shared<nn::TransformerBlock>(c, gen));
+    head = register_module("head", std::make_shared<nn::Linear>(kDim, kVocab, gen, false));
+  }
+  // tokens (B, S_local) and their global positions (S_local) → {logits, MoE aux loss}.
+  std::vector<Tensor> forward(Args& args) override {
+    Tensor x = add((*tok)(args.positional[0]), (*pos)(args.positional[1]));
+    std::vector<Tensor> out = block->call(Args{x});
+    return {(*head)(out[0]), out[1]};
+  }
+};
+
+// Sums each gradient over `group` and divides by its size (an expert that saw
+// no token on this rank has no gradient: it counts as zeros).
+void average_gradients(const std::vector<Tensor>& params, const ProcessGroupPtr& group) {
+  for (const Tensor& p : params) {
+    WorkPtr w = group->all_reduce(grad(p).defined() ? grad(p) : ops::zeros_like(p));
+    w->wait();
+    set_grad(p, ops::div(w->result(), static_cast<double>(group->size())));
+  }
+}
+
+int main() {
+  std::atomic<double> first{0}, last{0};
+  run_ranks(8, [&](ProcessGroupPtr world) {
+    DeviceMesh mesh(world, {2, 2, 2}, {"dp", "ep", "cp"});
+    Generator init(0);  // the same weights everywhere; the styles keep each rank's part
+    auto model = std::make_shared<TinyMoE>(init);
+    ContextParallel{}.apply(model->block->attn()->core(), mesh.slice("cp"));
+    expert_parallel(model->block->moe(), mesh.slice("ep"));
+
+    // Experts are replicated over (dp, cp); everything else over (dp, ep, cp).
+    std::vector<Tensor> expert_params, shared_params;
+    auto moe = model->block->moe();
+    for (int64_t e = moe->first_local_expert();
+         e < moe->first_local_expert() + moe->num_local_experts(); ++e) {
+      for (const Tensor& p : moe->expert(e)->parameters())
+        expert_params.push_back(p);
+    }
+    for (const Tensor& p : model->parameters()) {
+      bool expert = false;
+      for (const Tensor& q : expert_params)
+        expert |= p.data_ptr<float>() == q.data_ptr<float>();
+      if (!expert) shared_params.push_back(p);
+    }
+    optim::AdamW opt(model->parameters(), 1e-2);
+
+    const int cp = 2, cp_rank = mesh.get_local_rank("cp");
+    const int64_t data_rank = mesh.get_local_rank("dp") * 2 + mesh.get_local_rank("ep");
+    Tensor positions = shard_sequence(ops::arange(0, kSeq, 1, DType::I64), 0, cp, cp_rank, false);
+    for (int64_t step = 0; step < kSteps; ++step) {
+      Generator data(1000 + step * 4 + data_rank);  // each (dp, ep) pair its own batch
+      Tensor tokens = ops::to(ops::mul(ops::rand({kBatch, kSeq}, data), kVocab), DType::I64);
+      Tensor targets = ops::cat(
+          {ops::full({kBatch, 1}, -100, DType::I64), ops::narrow(tokens, 1, 0, kSeq - 1)}, 1);
+      tokens = shard_sequence(tokens, 1, cp, cp_rank, false);
+      targets = shard_sequence(targets, 1, cp, cp_rank, false);
+
+      std::vector<Tensor> out = (*model).call(Args{tokens, positions});
+      Tensor ce = cross_entropy(reshape(out[0], {-1, kVocab}), reshape(targets, {-1}));
+      model->zero_grad();
+      backward(add(ce, mul(out[1], 0.01)));
+      average_gradients(shared_params, mesh.slice({"dp", "ep", "cp"}).flatten("data").get_group());
+      average_gradients(expert_params, mesh.slice({"dp", "cp"}).flatten("expert_data").get_group());
+      opt.step();
+      if (world->rank() == 0 && (step == 0 || step == kSteps - 1)) {
+        (step == 0 ? first : last) = ce.item_double();
+        std::printf("step %3lld  loss %.3f\n", static_cast<long long>(step), ce.item_double());
+      }
+    }
+  });
+  return last < 0.5 * first ? 0 : 1;
+}
