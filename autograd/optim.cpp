@@ -89,20 +89,20 @@ void Optimizer::load_state_dict(const std::map<std::string, Tensor>& state) {
   }
 }
 
-SGD::SGD(NamedParams params, double lr, double momentum, double weight_decay)
-    : Optimizer(std::move(params), lr,
-                momentum != 0.0 ? std::vector<std::string>{"momentum_buffer"}
-                                : std::vector<std::string>{},
+SGD::SGD(NamedParams params, const SGDOptions& options)
+    : Optimizer(std::move(params), options.lr,
+                options.momentum != 0.0 ? std::vector<std::string>{"momentum_buffer"}
+                                        : std::vector<std::string>{},
                 "SGD"),
-      momentum_(momentum),
-      weight_decay_(weight_decay) {
-  TANDEM_CHECK(momentum >= 0 && weight_decay >= 0,
-               "[optim::SGD] expected momentum >= 0 and weight_decay >= 0, got {} and {}", momentum,
-               weight_decay);
+      momentum_(options.momentum),
+      weight_decay_(options.weight_decay) {
+  TANDEM_CHECK(momentum_ >= 0 && weight_decay_ >= 0,
+               "[optim::SGD] expected momentum >= 0 and weight_decay >= 0, got {} and {}",
+               momentum_, weight_decay_);
 }
 
-SGD::SGD(const std::vector<Tensor>& params, double lr, double momentum, double weight_decay)
-    : SGD(index_names(params), lr, momentum, weight_decay) {}
+SGD::SGD(const std::vector<Tensor>& params, const SGDOptions& options)
+    : SGD(index_names(params), options) {}
 
 void SGD::step() {
   NoGradGuard no_grad;
@@ -124,23 +124,21 @@ void SGD::step() {
   }
 }
 
-AdamW::AdamW(NamedParams params, double lr, double beta1, double beta2, double eps,
-             double weight_decay)
-    : Optimizer(std::move(params), lr, {"exp_avg", "exp_avg_sq"}, "AdamW"),
-      beta1_(beta1),
-      beta2_(beta2),
-      eps_(eps),
-      weight_decay_(weight_decay) {
-  TANDEM_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1,
-               "[optim::AdamW] expected betas in [0, 1), got {} and {}", beta1, beta2);
-  TANDEM_CHECK(eps >= 0 && weight_decay >= 0,
-               "[optim::AdamW] expected eps >= 0 and weight_decay >= 0, got {} and {}", eps,
-               weight_decay);
+AdamW::AdamW(NamedParams params, const AdamWOptions& options)
+    : Optimizer(std::move(params), options.lr, {"exp_avg", "exp_avg_sq"}, "AdamW"),
+      beta1_(options.beta1),
+      beta2_(options.beta2),
+      eps_(options.eps),
+      weight_decay_(options.weight_decay) {
+  TANDEM_CHECK(beta1_ >= 0 && beta1_ < 1 && beta2_ >= 0 && beta2_ < 1,
+               "[optim::AdamW] expected betas in [0, 1), got {} and {}", beta1_, beta2_);
+  TANDEM_CHECK(eps_ >= 0 && weight_decay_ >= 0,
+               "[optim::AdamW] expected eps >= 0 and weight_decay >= 0, got {} and {}", eps_,
+               weight_decay_);
 }
 
-AdamW::AdamW(const std::vector<Tensor>& params, double lr, double beta1, double beta2, double eps,
-             double weight_decay)
-    : AdamW(index_names(params), lr, beta1, beta2, eps, weight_decay) {}
+AdamW::AdamW(const std::vector<Tensor>& params, const AdamWOptions& options)
+    : AdamW(index_names(params), options) {}
 
 void AdamW::step() {
   NoGradGuard no_grad;
@@ -187,9 +185,13 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
   return norm;
 }
 
-CosineSchedule::CosineSchedule(double base_lr, int64_t warmup_steps, int64_t total_steps,
-                               double min_lr)
-    : base_lr_(base_lr), warmup_steps_(warmup_steps), total_steps_(total_steps), min_lr_(min_lr) {
+CosineSchedule::CosineSchedule(const CosineScheduleOptions& options)
+    : base_lr_(options.base_lr),
+      warmup_steps_(options.warmup_steps),
+      total_steps_(options.total_steps),
+      min_lr_(options.min_lr) {
+  const double base_lr = base_lr_, min_lr = min_lr_;
+  const int64_t warmup_steps = warmup_steps_, total_steps = total_steps_;
   TANDEM_CHECK(warmup_steps >= 0 && total_steps >= warmup_steps,
                "[optim::CosineSchedule] expected 0 <= warmup_steps <= total_steps, got {} and {}",
                warmup_steps, total_steps);

@@ -69,11 +69,17 @@ class Optimizer {
 // Stochastic gradient descent (PyTorch semantics, dampening 0):
 //   d = g + weight_decay * p;  buf = momentum * buf + d;  p -= lr * buf
 // (weight decay here is coupled L2, as in torch.optim.SGD).
+struct SGDOptions {
+  double lr = 1e-3;
+  double momentum = 0.0;
+  double weight_decay = 0.0;
+};
+
 class SGD final : public Optimizer {
  public:
-  SGD(NamedParams params, double lr, double momentum = 0.0, double weight_decay = 0.0);
-  SGD(const std::vector<Tensor>& params, double lr, double momentum = 0.0,
-      double weight_decay = 0.0);
+  using Options = SGDOptions;
+  SGD(NamedParams params, const SGDOptions& options);
+  SGD(const std::vector<Tensor>& params, const SGDOptions& options);
   void step() override;
 
  private:
@@ -85,12 +91,19 @@ class SGD final : public Optimizer {
 //   p *= 1 - lr * weight_decay
 //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
 //   p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+struct AdamWOptions {  // torch.optim.AdamW's defaults
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+};
+
 class AdamW final : public Optimizer {
  public:
-  AdamW(NamedParams params, double lr, double beta1 = 0.9, double beta2 = 0.999, double eps = 1e-8,
-        double weight_decay = 0.01);
-  AdamW(const std::vector<Tensor>& params, double lr, double beta1 = 0.9, double beta2 = 0.999,
-        double eps = 1e-8, double weight_decay = 0.01);
+  using Options = AdamWOptions;
+  AdamW(NamedParams params, const AdamWOptions& options);
+  AdamW(const std::vector<Tensor>& params, const AdamWOptions& options);
   void step() override;
 
  private:
@@ -111,9 +124,17 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm);
 //   warmup <= step < total: min_lr + (base_lr - min_lr) * (1 + cos(pi * r)) / 2,
 //                           r = (step - warmup) / (total - warmup)
 //   step >= total:          min_lr
+struct CosineScheduleOptions {
+  double base_lr = 0.0;
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 0;
+  double min_lr = 0.0;
+};
+
 class CosineSchedule {
  public:
-  CosineSchedule(double base_lr, int64_t warmup_steps, int64_t total_steps, double min_lr = 0.0);
+  using Options = CosineScheduleOptions;
+  explicit CosineSchedule(const CosineScheduleOptions& options);
   double lr(int64_t step) const;
 
  private:

@@ -50,9 +50,12 @@ std::vector<Tensor> CoreAttention::forward(Args& args) {
   return {contiguous(transpose(r.out, 1, 2))};
 }
 
-SelfAttention::SelfAttention(int64_t d_model, int64_t n_heads, int64_t n_kv_heads, bool causal,
-                             Generator& gen)
-    : Module("SelfAttention"), d_model_(d_model), n_heads_(n_heads), n_kv_heads_(n_kv_heads) {
+SelfAttention::SelfAttention(const SelfAttentionOptions& options, Generator& gen)
+    : Module("SelfAttention"),
+      d_model_(options.d_model),
+      n_heads_(options.n_heads),
+      n_kv_heads_(options.n_kv_heads > 0 ? options.n_kv_heads : options.n_heads) {
+  const int64_t d_model = d_model_, n_heads = n_heads_, n_kv_heads = n_kv_heads_;
   TANDEM_CHECK(d_model > 0 && n_heads > 0 && d_model % n_heads == 0,
                "[nn::SelfAttention] expected a positive d_model divisible by n_heads, got "
                "d_model={}, n_heads={}",
@@ -62,17 +65,23 @@ SelfAttention::SelfAttention(int64_t d_model, int64_t n_heads, int64_t n_kv_head
                "n_kv_heads={}",
                n_heads, n_kv_heads);
   head_dim_ = d_model / n_heads;
-  q_proj_ =
-      register_module("q_proj", std::make_shared<Linear>(d_model, n_heads * head_dim_, gen, false));
-  k_proj_ = register_module("k_proj",
-                            std::make_shared<Linear>(d_model, n_kv_heads * head_dim_, gen, false));
-  v_proj_ = register_module("v_proj",
-                            std::make_shared<Linear>(d_model, n_kv_heads * head_dim_, gen, false));
-  o_proj_ =
-      register_module("o_proj", std::make_shared<Linear>(n_heads * head_dim_, d_model, gen, false));
-  AttentionOptions options;
-  options.causal = causal;
-  core_ = register_module("core", std::make_shared<CoreAttention>(options));
+  q_proj_ = register_module(
+      "q_proj",
+      nn::make<nn::Linear>(
+          {.in_features = d_model, .out_features = n_heads * head_dim_, .bias = false}, gen));
+  k_proj_ = register_module(
+      "k_proj",
+      nn::make<nn::Linear>(
+          {.in_features = d_model, .out_features = n_kv_heads * head_dim_, .bias = false}, gen));
+  v_proj_ = register_module(
+      "v_proj",
+      nn::make<nn::Linear>(
+          {.in_features = d_model, .out_features = n_kv_heads * head_dim_, .bias = false}, gen));
+  o_proj_ = register_module(
+      "o_proj",
+      nn::make<nn::Linear>(
+          {.in_features = n_heads * head_dim_, .out_features = d_model, .bias = false}, gen));
+  core_ = register_module("core", nn::make<CoreAttention>({.causal = options.causal}));
 }
 
 std::vector<Tensor> SelfAttention::forward(Args& args) {

@@ -37,6 +37,7 @@ class CoreAttention final : public Module {
   using Kernel = std::function<Tensor(const Tensor& q, const Tensor& k, const Tensor& v,
                                       const AttentionOptions& options)>;
 
+  using Options = AttentionOptions;
   explicit CoreAttention(const AttentionOptions& options = {});
   void set_kernel(Kernel kernel) { kernel_ = std::move(kernel); }
   bool has_kernel() const { return kernel_ != nullptr; }
@@ -53,12 +54,20 @@ class CoreAttention final : public Module {
   Kernel kernel_;
 };
 
+struct SelfAttentionOptions {
+  int64_t d_model = 0;
+  int64_t n_heads = 0;
+  int64_t n_kv_heads = 0;  // 0: n_heads (no grouping)
+  bool causal = true;
+};
+
 // Multi-head self-attention with grouped-query heads: x (B, S, d_model) →
 // q_proj/k_proj/v_proj (bias-free Linears) reshaped to (B, S, H, Dh) with
 // Dh = d_model / n_heads → core → (B, S, n_heads * Dh) → o_proj → (B, S, d_model).
 class SelfAttention final : public Module {
  public:
-  SelfAttention(int64_t d_model, int64_t n_heads, int64_t n_kv_heads, bool causal, Generator& gen);
+  using Options = SelfAttentionOptions;
+  SelfAttention(const SelfAttentionOptions& options, Generator& gen);
 
   int64_t n_heads() const { return n_heads_; }
   int64_t n_kv_heads() const { return n_kv_heads_; }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "autograd/module.h"
+#include "tensor/random.h"
 
 namespace tandem::nn {
 
@@ -39,6 +40,20 @@ class ModuleList final : public Module {
  private:
   std::vector<std::shared_ptr<Module>> items_;
 };
+
+// A layer made from its options struct, which the braces name field by field:
+//   auto up = nn::make<nn::Linear>({.in_features = 64, .out_features = 256}, gen);
+//   auto norm = nn::make<nn::RMSNorm>({.dim = 64});
+// (std::make_shared cannot take a braced list; this can, because the options
+// type is M::Options rather than deduced.)
+template <class M>
+std::shared_ptr<M> make(const typename M::Options& options, Generator& gen) {
+  return std::make_shared<M>(options, gen);
+}
+template <class M>
+std::shared_ptr<M> make(const typename M::Options& options) {
+  return std::make_shared<M>(options);
+}
 
 // The first positional argument of a one-input module (checked).
 const Tensor& single_input(Args& args, const char* module);

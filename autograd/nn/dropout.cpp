@@ -15,7 +15,9 @@ uint64_t derive_seed(Generator& gen) {
 
 }  // namespace
 
-Dropout::Dropout(double p, Generator& gen) : Module("Dropout"), p_(p), gen_(derive_seed(gen)) {
+Dropout::Dropout(const DropoutOptions& options, Generator& gen)
+    : Module("Dropout"), p_(options.p), gen_(derive_seed(gen)) {
+  const double p = options.p;
   TANDEM_CHECK(p >= 0.0 && p <= 1.0, "[nn::Dropout] expected p in [0, 1], got {}", p);
 }
 

@@ -12,13 +12,19 @@
 #include <mutex>
 
 #include "autograd/module.h"
+#include "autograd/nn/container.h"
 #include "tensor/random.h"
 
 namespace tandem::nn {
 
+struct DropoutOptions {
+  double p = 0.5;  // torch's default
+};
+
 class Dropout final : public Module {
  public:
-  Dropout(double p, Generator& gen);
+  using Options = DropoutOptions;
+  Dropout(const DropoutOptions& options, Generator& gen);
 
   double p() const { return p_; }
   // The module's own generator state (seed, next counter).

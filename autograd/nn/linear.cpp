@@ -8,8 +8,9 @@
 
 namespace tandem::nn {
 
-Linear::Linear(int64_t in_features, int64_t out_features, Generator& gen, bool bias)
-    : Module("Linear"), in_features_(in_features), out_features_(out_features) {
+Linear::Linear(const LinearOptions& options, Generator& gen)
+    : Module("Linear"), in_features_(options.in_features), out_features_(options.out_features) {
+  const int64_t in_features = options.in_features, out_features = options.out_features;
   // Zero sizes are allowed, as in torch.nn.Linear: with in == 0 the output is
   // the bias alone (zeros without one), and the weight is empty.
   TANDEM_CHECK(in_features >= 0 && out_features >= 0,
@@ -17,7 +18,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, Generator& gen, bool b
                out_features);
   weight_ = init::kaiming_uniform(Shape{out_features, in_features}, gen);
   register_parameter("weight", &weight_);
-  if (bias) {
+  if (options.bias) {
     const double bound = in_features > 0 ? 1.0 / std::sqrt(static_cast<double>(in_features)) : 0.0;
     bias_ = init::uniform(Shape{out_features}, -bound, bound, gen);
     register_parameter("bias", &bias_);
@@ -33,11 +34,12 @@ std::vector<Tensor> Linear::forward(Args& args) {
   return {linear(x, weight_, bias_deferred_ ? Tensor() : bias_)};
 }
 
-Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator& gen, double init_std)
-    : Module("Embedding"), num_embeddings_(num_embeddings), dim_(dim) {
-  TANDEM_CHECK(num_embeddings >= 0 && dim >= 0,
-               "[nn::Embedding] expected non-negative sizes, got V={}, D={}", num_embeddings, dim);
-  weight_ = init::normal(Shape{num_embeddings, dim}, 0.0, init_std, gen);
+Embedding::Embedding(const EmbeddingOptions& options, Generator& gen)
+    : Module("Embedding"), num_embeddings_(options.num_embeddings), dim_(options.dim) {
+  TANDEM_CHECK(num_embeddings_ >= 0 && dim_ >= 0,
+               "[nn::Embedding] expected non-negative sizes, got V={}, D={}", num_embeddings_,
+               dim_);
+  weight_ = init::normal(Shape{num_embeddings_, dim_}, 0.0, options.init_std, gen);
   register_parameter("weight", &weight_);
 }
 
@@ -48,10 +50,17 @@ std::vector<Tensor> Embedding::forward(Args& args) {
   return {embedding(weight_, indices)};
 }
 
-SwiGLU::SwiGLU(int64_t d_model, int64_t hidden, Generator& gen) : Module("SwiGLU") {
-  w1_ = register_module("w1", std::make_shared<Linear>(d_model, hidden, gen, false));
-  w2_ = register_module("w2", std::make_shared<Linear>(hidden, d_model, gen, false));
-  w3_ = register_module("w3", std::make_shared<Linear>(d_model, hidden, gen, false));
+SwiGLU::SwiGLU(const SwiGLUOptions& options, Generator& gen) : Module("SwiGLU") {
+  const int64_t d_model = options.d_model, hidden = options.hidden;
+  w1_ = register_module(
+      "w1",
+      nn::make<nn::Linear>({.in_features = d_model, .out_features = hidden, .bias = false}, gen));
+  w2_ = register_module(
+      "w2",
+      nn::make<nn::Linear>({.in_features = hidden, .out_features = d_model, .bias = false}, gen));
+  w3_ = register_module(
+      "w3",
+      nn::make<nn::Linear>({.in_features = d_model, .out_features = hidden, .bias = false}, gen));
 }
 
 std::vector<Tensor> SwiGLU::forward(Args& args) {

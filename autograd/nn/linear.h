@@ -11,11 +11,18 @@
 
 namespace tandem::nn {
 
+struct LinearOptions {
+  int64_t in_features = 0;
+  int64_t out_features = 0;
+  bool bias = true;
+};
+
 // y = x W^T (+ b), W of shape (out, in) as in torch.nn.Linear, initialised
 // like torch: W and b ~ U(-1/sqrt(in), 1/sqrt(in)). Input (…, in), output (…, out).
 class Linear final : public Module {
  public:
-  Linear(int64_t in_features, int64_t out_features, Generator& gen, bool bias = true);
+  using Options = LinearOptions;
+  Linear(const LinearOptions& options, Generator& gen);
 
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
@@ -36,11 +43,18 @@ class Linear final : public Module {
   bool bias_deferred_ = false;
 };
 
+struct EmbeddingOptions {
+  int64_t num_embeddings = 0;  // V
+  int64_t dim = 0;             // D
+  double init_std = 1.0;       // torch's default
+};
+
 // Lookup table (V, D): integer indices of any shape → (*indices, D).
-// Initialised N(0, init_std^2) (torch's default is init_std = 1).
+// Initialised N(0, init_std^2).
 class Embedding final : public Module {
  public:
-  Embedding(int64_t num_embeddings, int64_t dim, Generator& gen, double init_std = 1.0);
+  using Options = EmbeddingOptions;
+  Embedding(const EmbeddingOptions& options, Generator& gen);
 
   int64_t num_embeddings() const { return num_embeddings_; }
   int64_t dim() const { return dim_; }
@@ -58,9 +72,15 @@ class Embedding final : public Module {
 // The gated MLP of LLaMA-style blocks: w2(silu(w1 x) * w3 x), three
 // bias-free Linears (w1, w3: d → hidden; w2: hidden → d). Input and output
 // (…, d). MoE experts are SwiGLUs.
+struct SwiGLUOptions {
+  int64_t d_model = 0;
+  int64_t hidden = 0;
+};
+
 class SwiGLU final : public Module {
  public:
-  SwiGLU(int64_t d_model, int64_t hidden, Generator& gen);
+  using Options = SwiGLUOptions;
+  SwiGLU(const SwiGLUOptions& options, Generator& gen);
 
   const std::shared_ptr<Linear>& w1() const { return w1_; }
   const std::shared_ptr<Linear>& w2() const { return w2_; }

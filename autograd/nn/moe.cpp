@@ -108,15 +108,23 @@ Tensor load_balancing_loss(const Tensor& probs, const MoEDispatchPlan& plan) {
   return mul(sum(mul(mean_prob, f)), static_cast<double>(plan.num_experts));
 }
 
-MoE::MoE(int64_t d_model, int64_t hidden, int64_t num_experts, int64_t top_k, Generator& gen)
-    : Module("MoE"), d_model_(d_model), num_experts_(num_experts), top_k_(top_k) {
+MoE::MoE(const MoEOptions& options, Generator& gen)
+    : Module("MoE"),
+      d_model_(options.d_model),
+      num_experts_(options.num_experts),
+      top_k_(options.top_k) {
+  const int64_t d_model = d_model_, hidden = options.hidden, num_experts = num_experts_,
+                top_k = top_k_;
   TANDEM_CHECK(num_experts >= 1 && top_k >= 1 && top_k <= num_experts,
                "[nn::MoE] expected 1 <= top_k <= num_experts, got top_k={}, num_experts={}", top_k,
                num_experts);
-  router_ = register_module("router", std::make_shared<Linear>(d_model, num_experts, gen, false));
+  router_ = register_module(
+      "router", nn::make<nn::Linear>(
+                    {.in_features = d_model, .out_features = num_experts, .bias = false}, gen));
   auto list = register_module("experts", std::make_shared<ModuleList>());
   for (int64_t e = 0; e < num_experts; ++e) {
-    experts_.push_back(list->append(std::make_shared<SwiGLU>(d_model, hidden, gen)));
+    experts_.push_back(
+        list->append(nn::make<nn::SwiGLU>({.d_model = d_model, .hidden = hidden}, gen)));
   }
 }
 

@@ -90,9 +90,17 @@ class MoEDispatcher {
 // load_balancing_loss of this call (Note [MoE per-call state]); scale it and
 // add it to the training loss. Children: router (Linear d_model → E, no
 // bias), experts (ModuleList of SwiGLU(d_model, hidden)).
+struct MoEOptions {
+  int64_t d_model = 0;
+  int64_t hidden = 0;  // per expert
+  int64_t num_experts = 0;
+  int64_t top_k = 2;
+};
+
 class MoE final : public Module {
  public:
-  MoE(int64_t d_model, int64_t hidden, int64_t num_experts, int64_t top_k, Generator& gen);
+  using Options = MoEOptions;
+  MoE(const MoEOptions& options, Generator& gen);
 
   int64_t num_experts() const { return num_experts_; }
   int64_t top_k() const { return top_k_; }

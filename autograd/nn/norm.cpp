@@ -14,10 +14,11 @@ void check_last_dim(const Tensor& x, int64_t dim, const char* module) {
 
 }  // namespace
 
-LayerNorm::LayerNorm(int64_t dim, double eps) : Module("LayerNorm"), dim_(dim), eps_(eps) {
-  TANDEM_CHECK(dim >= 0, "[nn::LayerNorm] expected a non-negative dim, got {}", dim);
-  weight_ = ops::ones(Shape{dim});
-  bias_ = ops::zeros(Shape{dim});
+LayerNorm::LayerNorm(const LayerNormOptions& options)
+    : Module("LayerNorm"), dim_(options.dim), eps_(options.eps) {
+  TANDEM_CHECK(dim_ >= 0, "[nn::LayerNorm] expected a non-negative dim, got {}", dim_);
+  weight_ = ops::ones(Shape{dim_});
+  bias_ = ops::zeros(Shape{dim_});
   register_parameter("weight", &weight_);
   register_parameter("bias", &bias_);
 }
@@ -28,9 +29,10 @@ std::vector<Tensor> LayerNorm::forward(Args& args) {
   return {layer_norm(x, weight_, bias_, eps_)};
 }
 
-RMSNorm::RMSNorm(int64_t dim, double eps) : Module("RMSNorm"), dim_(dim), eps_(eps) {
-  TANDEM_CHECK(dim >= 0, "[nn::RMSNorm] expected a non-negative dim, got {}", dim);
-  weight_ = ops::ones(Shape{dim});
+RMSNorm::RMSNorm(const RMSNormOptions& options)
+    : Module("RMSNorm"), dim_(options.dim), eps_(options.eps) {
+  TANDEM_CHECK(dim_ >= 0, "[nn::RMSNorm] expected a non-negative dim, got {}", dim_);
+  weight_ = ops::ones(Shape{dim_});
   register_parameter("weight", &weight_);
 }
 
@@ -41,8 +43,8 @@ std::vector<Tensor> RMSNorm::forward(Args& args) {
 }
 
 std::shared_ptr<Module> make_norm(NormKind kind, int64_t dim, double eps) {
-  if (kind == NormKind::Layer) return std::make_shared<LayerNorm>(dim, eps);
-  return std::make_shared<RMSNorm>(dim, eps);
+  if (kind == NormKind::Layer) return nn::make<nn::LayerNorm>({.dim = dim, .eps = eps});
+  return nn::make<nn::RMSNorm>({.dim = dim, .eps = eps});
 }
 
 }  // namespace tandem::nn

@@ -6,14 +6,21 @@
 #include <memory>
 
 #include "autograd/module.h"
+#include "autograd/nn/container.h"
 
 namespace tandem::nn {
 
 enum class NormKind { Layer, Rms };
 
+struct LayerNormOptions {
+  int64_t dim = 0;
+  double eps = 1e-5;
+};
+
 class LayerNorm final : public Module {
  public:
-  explicit LayerNorm(int64_t dim, double eps = 1e-5);
+  using Options = LayerNormOptions;
+  explicit LayerNorm(const LayerNormOptions& options);
 
   double eps() const { return eps_; }
   const Tensor& weight() const { return weight_; }
@@ -29,10 +36,16 @@ class LayerNorm final : public Module {
   Tensor bias_;
 };
 
+struct RMSNormOptions {
+  int64_t dim = 0;
+  double eps = 1e-6;
+};
+
 // y = x / sqrt(mean(x^2) + eps) * weight.
 class RMSNorm final : public Module {
  public:
-  explicit RMSNorm(int64_t dim, double eps = 1e-6);
+  using Options = RMSNormOptions;
+  explicit RMSNorm(const RMSNormOptions& options);
 
   double eps() const { return eps_; }
   const Tensor& weight() const { return weight_; }

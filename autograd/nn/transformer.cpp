@@ -12,15 +12,21 @@ TransformerBlock::TransformerBlock(const TransformerBlockConfig& config, Generat
                "[nn::TransformerBlock] expected positive d_model and hidden, got {} and {}",
                config_.d_model, config_.hidden);
   norm1_ = register_module("norm1", make_norm(config_.norm, config_.d_model, config_.norm_eps));
-  attn_ = register_module(
-      "attn", std::make_shared<SelfAttention>(config_.d_model, config_.n_heads, config_.n_kv_heads,
-                                              config_.causal, gen));
+  attn_ = register_module("attn", nn::make<nn::SelfAttention>({.d_model = config_.d_model,
+                                                               .n_heads = config_.n_heads,
+                                                               .n_kv_heads = config_.n_kv_heads,
+                                                               .causal = config_.causal},
+                                                              gen));
   norm2_ = register_module("norm2", make_norm(config_.norm, config_.d_model, config_.norm_eps));
   if (config_.experts > 0) {
-    moe_ = register_module("moe", std::make_shared<MoE>(config_.d_model, config_.hidden,
-                                                        config_.experts, config_.top_k, gen));
+    moe_ = register_module("moe", nn::make<nn::MoE>({.d_model = config_.d_model,
+                                                     .hidden = config_.hidden,
+                                                     .num_experts = config_.experts,
+                                                     .top_k = config_.top_k},
+                                                    gen));
   } else {
-    mlp_ = register_module("mlp", std::make_shared<SwiGLU>(config_.d_model, config_.hidden, gen));
+    mlp_ = register_module(
+        "mlp", nn::make<nn::SwiGLU>({.d_model = config_.d_model, .hidden = config_.hidden}, gen));
   }
 }
 
@@ -43,10 +49,14 @@ TransformerLM::TransformerLM(const TransformerLMConfig& config, Generator& gen)
   TANDEM_CHECK(config.vocab > 0 && config.layers > 0 && config.max_seq > 0,
                "[nn::TransformerLM] expected positive vocab, layers and max_seq, got {}, {}, {}",
                config.vocab, config.layers, config.max_seq);
-  tok_emb_ = register_module("tok_emb", std::make_shared<Embedding>(config.vocab, config.d_model,
-                                                                    gen, config.embedding_std));
-  pos_emb_ = register_module("pos_emb", std::make_shared<Embedding>(config.max_seq, config.d_model,
-                                                                    gen, config.embedding_std));
+  tok_emb_ = register_module("tok_emb", nn::make<nn::Embedding>({.num_embeddings = config.vocab,
+                                                                 .dim = config.d_model,
+                                                                 .init_std = config.embedding_std},
+                                                                gen));
+  pos_emb_ = register_module("pos_emb", nn::make<nn::Embedding>({.num_embeddings = config.max_seq,
+                                                                 .dim = config.d_model,
+                                                                 .init_std = config.embedding_std},
+                                                                gen));
   blocks_ = register_module("blocks", std::make_shared<ModuleList>());
   TransformerBlockConfig block;
   block.d_model = config.d_model;
@@ -62,8 +72,10 @@ TransformerLM::TransformerLM(const TransformerLMConfig& config, Generator& gen)
     blocks_->append(std::make_shared<TransformerBlock>(block, gen));
   }
   norm_f_ = register_module("norm_f", make_norm(config.norm, config.d_model, config.norm_eps));
-  lm_head_ = register_module("lm_head",
-                             std::make_shared<Linear>(config.d_model, config.vocab, gen, false));
+  lm_head_ = register_module(
+      "lm_head",
+      nn::make<nn::Linear>(
+          {.in_features = config.d_model, .out_features = config.vocab, .bias = false}, gen));
 }
 
 std::shared_ptr<TransformerBlock> TransformerLM::block(int64_t i) const {

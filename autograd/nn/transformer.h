@@ -35,6 +35,7 @@ struct TransformerBlockConfig {
 // Children: norm1, attn (SelfAttention), norm2, and mlp (SwiGLU) or moe (MoE).
 class TransformerBlock final : public Module {
  public:
+  using Options = TransformerBlockConfig;
   TransformerBlock(const TransformerBlockConfig& config, Generator& gen);
 
   const TransformerBlockConfig& config() const { return config_; }
@@ -75,6 +76,7 @@ struct TransformerLMConfig {
 // TransformerBlock), norm_f, lm_head (Linear d_model → vocab, no bias).
 class TransformerLM final : public Module {
  public:
+  using Options = TransformerLMConfig;
   TransformerLM(const TransformerLMConfig& config, Generator& gen);
 
   const TransformerLMConfig& config() const { return config_; }

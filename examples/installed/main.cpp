@@ -17,11 +17,16 @@ struct TinyMoE final : Module {
   std::shared_ptr<nn::TransformerBlock> block;
   std::shared_ptr<nn::Linear> head;
   explicit TinyMoE(Generator& gen) : Module("TinyMoE") {
-    tok = register_module("tok", std::make_shared<nn::Embedding>(kVocab, kDim, gen, 0.02));
-    pos = register_module("pos", std::make_shared<nn::Embedding>(kSeq, kDim, gen, 0.02));
+    tok = register_module(
+        "tok",
+        nn::make<nn::Embedding>({.num_embeddings = kVocab, .dim = kDim, .init_std = 0.02}, gen));
+    pos = register_module("pos", nn::make<nn::Embedding>(
+                                     {.num_embeddings = kSeq, .dim = kDim, .init_std = 0.02}, gen));
     nn::TransformerBlockConfig c{.d_model = kDim, .n_heads = 4, .hidden = 64, .experts = 4};
     block = register_module("block", std::make_shared<nn::TransformerBlock>(c, gen));
-    head = register_module("head", std::make_shared<nn::Linear>(kDim, kVocab, gen, false));
+    head = register_module(
+        "head",
+        nn::make<nn::Linear>({.in_features = kDim, .out_features = kVocab, .bias = false}, gen));
   }
   // tokens (B, S_local) and their global positions (S_local) → {logits, MoE aux loss}.
   std::vector<Tensor> forward(Args& args) override {
@@ -64,7 +69,7 @@ int main() {
         expert |= p.data_ptr<float>() == q.data_ptr<float>();
       if (!expert) shared_params.push_back(p);
     }
-    optim::AdamW opt(model->parameters(), 1e-2);
+    optim::AdamW opt(model->parameters(), {.lr = 1e-2});
 
     const int cp = 2, cp_rank = mesh.get_local_rank("cp");
     const int64_t data_rank = mesh.get_local_rank("dp") * 2 + mesh.get_local_rank("ep");

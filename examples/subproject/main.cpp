@@ -10,8 +10,10 @@ using namespace tandem;
 struct Mlp final : Module {
   std::shared_ptr<nn::Linear> up, down;
   Mlp(int64_t d, int64_t hidden, Generator& gen) : Module("Mlp") {
-    up = register_module("up", std::make_shared<nn::Linear>(d, hidden, gen));
-    down = register_module("down", std::make_shared<nn::Linear>(hidden, d, gen));
+    up = register_module("up",
+                         nn::make<nn::Linear>({.in_features = d, .out_features = hidden}, gen));
+    down = register_module("down",
+                           nn::make<nn::Linear>({.in_features = hidden, .out_features = d}, gen));
   }
   std::vector<Tensor> forward(Args& args) override {
     return {(*down)(gelu((*up)(args.positional[0])))};
@@ -21,7 +23,7 @@ struct Mlp final : Module {
 int main() {
   Generator gen(0);
   auto model = std::make_shared<Mlp>(16, 64, gen);
-  optim::AdamW opt(model->named_parameters(), 1e-2);
+  optim::AdamW opt(model->named_parameters(), {.lr = 1e-2});
   Tensor x = ops::randn({64, 16}, gen);
   double first = 0, loss_value = 0;
   for (int step = 0; step < 200; ++step) {

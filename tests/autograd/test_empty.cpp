@@ -484,28 +484,28 @@ TEST_CASE("nn layers on zero-size inputs and with zero-size features", "[empty]"
     const Shape s = zero_at({2, 3, 8}, p);
     INFO("input " << s.str());
     {
-      nn::Linear l(8, 6, gen);
+      nn::Linear l({.in_features = 8, .out_features = 6}, gen);
       run(l, ops::ones(s), {s[0], s[1], 6});
     }
     {
-      nn::LayerNorm n(8);
+      nn::LayerNorm n({.dim = 8});
       run(n, ops::ones(s), s);
-      nn::RMSNorm r(8);
+      nn::RMSNorm r({.dim = 8});
       run(r, ops::ones(s), s);
     }
     {
-      nn::SwiGLU mlp(8, 12, gen);
+      nn::SwiGLU mlp({.d_model = 8, .hidden = 12}, gen);
       run(mlp, ops::ones(s), s);
     }
     {
-      nn::Embedding emb(10, 8, gen);
+      nn::Embedding emb({.num_embeddings = 10, .dim = 8}, gen);
       run(emb, ops::zeros({s[0], s[1]}, DType::I64), s);
     }
     {
       // The reproduction: SelfAttention on zeros({2, 0, 32}), and
       // the empty batch; grouped and causal.
       Shape x = zero_at({2, 3, 32}, p);
-      nn::SelfAttention attn(32, 4, 2, true, gen);
+      nn::SelfAttention attn({.d_model = 32, .n_heads = 4, .n_kv_heads = 2, .causal = true}, gen);
       run(attn, ops::zeros(x), x);
     }
     for (bool moe : {false, true}) {
@@ -548,22 +548,22 @@ TEST_CASE("nn layers on zero-size inputs and with zero-size features", "[empty]"
   // Zero-size features, as a tensor-parallel rank's empty shard holds them.
   {
     // in_features == 0: the output is the bias, whose gradient counts rows.
-    nn::Linear l(0, 5, gen);
+    nn::Linear l({.in_features = 0, .out_features = 5}, gen);
     CHECK(l.weight().shape() == Shape{5, 0});
     Tensor y = run(l, ops::ones({2, 3, 0}), {2, 3, 5}, {"bias"});
     CHECK(ops::allclose(y, ops::expand(detach(l.bias()), {2, 3, 5})));
     CHECK(all_are(grad(l.bias()), 6.0));
-    nn::Linear nb(0, 5, gen, false);
+    nn::Linear nb({.in_features = 0, .out_features = 5, .bias = false}, gen);
     Tensor z = run(nb, ops::ones({2, 3, 0}), {2, 3, 5});
     CHECK(all_are(z, 0.0));
   }
   {
-    nn::Linear l(4, 0, gen);
+    nn::Linear l({.in_features = 4, .out_features = 0}, gen);
     run(l, ops::ones({2, 3, 4}), {2, 3, 0});
   }
   {
     // A SwiGLU of hidden 0 adds nothing: zeros out, zero input gradient.
-    nn::SwiGLU mlp(8, 0, gen);
+    nn::SwiGLU mlp({.d_model = 8, .hidden = 0}, gen);
     Tensor y = run(mlp, ops::ones({2, 3, 8}), {2, 3, 8});
     CHECK(all_are(y, 0.0));
   }

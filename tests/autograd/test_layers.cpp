@@ -259,7 +259,7 @@ TEST_CASE("init helpers are deterministic and respect their bounds", "[layers]")
 
 TEST_CASE("Linear matches x W^T + b and its gradients", "[layers]") {
   Generator gen(1);
-  auto lin = std::make_shared<nn::Linear>(5, 3, gen);
+  auto lin = nn::make<nn::Linear>({.in_features = 5, .out_features = 3}, gen);
   CHECK(names_of(*lin) == std::vector<std::string>{"weight", "bias"});
   CHECK(lin->weight().shape() == Shape({3, 5}));
   Tensor x = ops::randn(Shape{2, 4, 5}, gen);
@@ -268,7 +268,7 @@ TEST_CASE("Linear matches x W^T + b and its gradients", "[layers]") {
   Vec expected = naive_linear(values(x), 8, 5, values(lin->weight()), 3, values(lin->bias()));
   CHECK(max_abs_diff(values(y), expected) < 1e-5);
 
-  auto no_bias = std::make_shared<nn::Linear>(5, 3, gen, false);
+  auto no_bias = nn::make<nn::Linear>({.in_features = 5, .out_features = 3, .bias = false}, gen);
   CHECK(names_of(*no_bias) == std::vector<std::string>{"weight"});
   CHECK_THROWS_WITH((*lin)(ops::randn(Shape{2, 4}, gen)),
                     Catch::Contains("[nn::Linear] expected an input of shape (…, 5)"));
@@ -282,7 +282,7 @@ TEST_CASE("Linear matches x W^T + b and its gradients", "[layers]") {
 
 TEST_CASE("Embedding looks up rows and scatters gradients back", "[layers]") {
   Generator gen(2);
-  auto emb = std::make_shared<nn::Embedding>(6, 4, gen);
+  auto emb = nn::make<nn::Embedding>({.num_embeddings = 6, .dim = 4}, gen);
   Tensor idx = ops::from_vector<int64_t>({5, 0, 5, 2}, Shape{2, 2});
   Tensor y = (*emb)(idx);
   REQUIRE(y.shape() == Shape({2, 2, 4}));
@@ -310,7 +310,7 @@ TEST_CASE("LayerNorm and RMSNorm match the formulas and their gradients", "[laye
   const Vec xb = values(ops::randn(Shape{6}, gen, DType::F64));
 
   SECTION("LayerNorm") {
-    auto ln = std::make_shared<nn::LayerNorm>(6, 1e-5);
+    auto ln = nn::make<nn::LayerNorm>({.dim = 6, .eps = 1e-5});
     // The defaults are the identity affine map.
     CHECK(values(ln->weight()) == Vec(6, 1.0));
     CHECK(values(ln->bias()) == Vec(6, 0.0));
@@ -324,7 +324,7 @@ TEST_CASE("LayerNorm and RMSNorm match the formulas and their gradients", "[laye
         *ln, [&] { return std::vector<Tensor>{(*ln)(x)}; }, 1e-5, 1e-4);
   }
   SECTION("RMSNorm") {
-    auto rn = std::make_shared<nn::RMSNorm>(6, 1e-6);
+    auto rn = nn::make<nn::RMSNorm>({.dim = 6, .eps = 1e-6});
     CHECK(names_of(*rn) == std::vector<std::string>{"weight"});
     rn->to(DType::F64);
     rn->load_state_dict({{"weight", f64_tensor(xw, Shape{6})}});
@@ -338,7 +338,7 @@ TEST_CASE("LayerNorm and RMSNorm match the formulas and their gradients", "[laye
 
 TEST_CASE("SwiGLU is w2(silu(w1 x) * w3 x)", "[layers]") {
   Generator gen(4);
-  auto mlp = std::make_shared<nn::SwiGLU>(4, 6, gen);
+  auto mlp = nn::make<nn::SwiGLU>({.d_model = 4, .hidden = 6}, gen);
   CHECK(names_of(*mlp) == std::vector<std::string>{"w1.weight", "w2.weight", "w3.weight"});
   mlp->to(DType::F64);
   auto p = mlp->state_dict();
@@ -423,7 +423,8 @@ TEST_CASE("CoreAttention takes BSHD q/k/v by name or position", "[layers]") {
 TEST_CASE("SelfAttention: projections, GQA, causal, gradients", "[layers]") {
   Generator gen(6);
   const int64_t B = 2, S = 4, d = 8, Hq = 4, Hkv = 2;
-  auto attn = std::make_shared<nn::SelfAttention>(d, Hq, Hkv, /*causal=*/true, gen);
+  auto attn = nn::make<nn::SelfAttention>(
+      {.d_model = d, .n_heads = Hq, .n_kv_heads = Hkv, .causal = /*causal=*/true}, gen);
   CHECK(names_of(*attn) == std::vector<std::string>{"q_proj.weight", "k_proj.weight",
                                                     "v_proj.weight", "o_proj.weight"});
   auto p = attn->state_dict();
@@ -569,7 +570,7 @@ TEST_CASE("MoE load-balancing loss equals E * sum f_e P_e", "[layers]") {
 TEST_CASE("MoE forward matches per-token expert mixing; gradients", "[layers]") {
   Generator gen(9);
   const int64_t d = 4, hidden = 6, E = 4, k = 2, B = 2, S = 3, T = B * S;
-  auto moe = std::make_shared<nn::MoE>(d, hidden, E, k, gen);
+  auto moe = nn::make<nn::MoE>({.d_model = d, .hidden = hidden, .num_experts = E, .top_k = k}, gen);
   const auto names = names_of(*moe);
   CHECK(names.front() == "router.weight");
   CHECK(contains(names, "experts.0.w1.weight"));

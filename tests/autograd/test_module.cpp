@@ -11,7 +11,12 @@
 #include <vector>
 
 #include "autograd/module.h"
+#include "autograd/nn/attention.h"
+#include "autograd/nn/dropout.h"
+#include "autograd/nn/linear.h"
+#include "autograd/nn/norm.h"
 #include "autograd/ops.h"
+#include "autograd/optim.h"
 #include "runtime/error.h"
 #include "tests/support/autograd_util.h"
 #include "tests/support/test_util.h"
@@ -487,4 +492,38 @@ TEST_CASE("module: hooks on a child module fire inside the parent's call", "[mod
   backward(sum((*m)(random_tensor(Shape{2, 3}, F64, 31))));
   CHECK(log == std::vector<std::string>{"outer_pre", "head_pre", "forward", "outer_backward_pre",
                                         "head_backward_pre"});
+}
+
+TEST_CASE("options structs: named fields, PyTorch's defaults, nn::make", "[module]") {
+  Generator gen(3);
+  auto with_bias = nn::make<nn::Linear>({.in_features = 4, .out_features = 3}, gen);
+  auto without = nn::make<nn::Linear>({.in_features = 4, .out_features = 3, .bias = false}, gen);
+  CHECK(with_bias->bias().defined());
+  CHECK(!without->bias().defined());
+  CHECK(with_bias->named_parameters().size() == 2);
+  CHECK(without->named_parameters().size() == 1);
+
+  // n_kv_heads 0 means one KV head per query head, as in TransformerBlockConfig.
+  auto attn = nn::make<nn::SelfAttention>({.d_model = 32, .n_heads = 4}, gen);
+  CHECK(attn->n_kv_heads() == 4);
+  CHECK(attn->core()->options().causal);
+  auto grouped = nn::make<nn::SelfAttention>({.d_model = 32, .n_heads = 4, .n_kv_heads = 2}, gen);
+  CHECK(grouped->k_proj()->out_features() == 16);
+  CHECK_THROWS_WITH(nn::SelfAttention({.d_model = 32, .n_heads = 4, .n_kv_heads = 3}, gen),
+                    Catch::Contains("n_heads divisible by n_kv_heads"));
+
+  CHECK(nn::make<nn::RMSNorm>({.dim = 8})->eps() == 1e-6);
+  CHECK(nn::make<nn::LayerNorm>({.dim = 8})->eps() == 1e-5);
+  CHECK(nn::make<nn::Dropout>({}, gen)->p() == 0.5);
+
+  // AdamW's defaults are torch.optim.AdamW's: one step from a zero state with
+  // gradient g moves p by lr * g / (|g| + eps) after the decay p *= 1 - lr * wd.
+  Tensor p = ops::full({1}, 2.0);
+  set_requires_grad(p, true);
+  optim::AdamW adam(std::vector<Tensor>{p}, {});
+  CHECK(adam.lr() == 1e-3);
+  set_grad(p, ops::full({1}, 0.5));
+  adam.step();
+  const double expected = 2.0 * (1 - 1e-3 * 0.01) - 1e-3 * 0.5 / (0.5 + 1e-8);
+  CHECK(p.item_double() == Approx(expected).epsilon(1e-6));
 }

@@ -268,8 +268,8 @@ TEST_CASE("a checkpoint whose re-run draws differently is an error", "[numerics]
 TEST_CASE("nn::Dropout drops in training, passes through in eval, and owns its stream",
           "[numerics][module]") {
   Generator init(123);
-  auto a = std::make_shared<nn::Dropout>(0.5, init);
-  auto b = std::make_shared<nn::Dropout>(0.5, init);
+  auto a = nn::make<nn::Dropout>({.p = 0.5}, init);
+  auto b = nn::make<nn::Dropout>({.p = 0.5}, init);
   CHECK(a->seed() != b->seed());  // two layers never share a mask
   CHECK(a->parameters().empty());
   Tensor x = ops::ones({1000});
@@ -285,8 +285,8 @@ TEST_CASE("nn::Dropout drops in training, passes through in eval, and owns its s
   CHECK(a->offset() == 2000);
   // The same construction seed gives the same masks.
   Generator init2(123);
-  auto c = std::make_shared<nn::Dropout>(0.5, init2);
+  auto c = nn::make<nn::Dropout>({.p = 0.5}, init2);
   CHECK(ops::equal((*c)(x), y1));
-  CHECK_THROWS_WITH(nn::Dropout(1.5, init2),
+  CHECK_THROWS_WITH(nn::Dropout({.p = 1.5}, init2),
                     Contains("[nn::Dropout] expected p in [0, 1], got 1.5"));
 }

@@ -53,14 +53,14 @@ struct AdamRef {
 TEST_CASE("SGD: plain, weight decay, momentum", "[optim]") {
   SECTION("plain step") {
     Tensor p = leaf({1.0, 2.0, -1.0});
-    optim::SGD sgd({p}, 0.1);
+    optim::SGD sgd({p}, {.lr = 0.1});
     give_grad(p, {0.5, -1.0, 2.0});
     sgd.step();
     check_close(values(p), {0.95, 2.1, -1.2}, 1e-15);
   }
   SECTION("coupled L2 weight decay") {
     Tensor p = leaf({1.0, -2.0});
-    optim::SGD sgd({p}, 0.1, 0.0, 0.5);
+    optim::SGD sgd({p}, {.lr = 0.1, .momentum = 0.0, .weight_decay = 0.5});
     give_grad(p, {1.0, 1.0});
     sgd.step();
     // d = g + 0.5 p = (1.5, 0); p -= 0.1 d.
@@ -68,7 +68,7 @@ TEST_CASE("SGD: plain, weight decay, momentum", "[optim]") {
   }
   SECTION("momentum over three steps") {
     Tensor p = leaf({1.0, 0.0});
-    optim::SGD sgd({p}, 0.1, 0.9);
+    optim::SGD sgd({p}, {.lr = 0.1, .momentum = 0.9});
     const Vec g1 = {1.0, -2.0}, g2 = {0.5, 0.5}, g3 = {-1.0, 0.0};
     Vec ref = {1.0, 0.0}, buf = {0.0, 0.0};
     for (const Vec& g : {g1, g2, g3}) {
@@ -86,9 +86,9 @@ TEST_CASE("SGD: plain, weight decay, momentum", "[optim]") {
   }
   SECTION("f32 parameters stay f32 and alias the module's member") {
     Generator gen(1);
-    auto lin = std::make_shared<nn::Linear>(3, 2, gen);
+    auto lin = nn::make<nn::Linear>({.in_features = 3, .out_features = 2}, gen);
     const Vec before = values(lin->weight());
-    optim::SGD sgd(lin->named_parameters(), 1.0);
+    optim::SGD sgd(lin->named_parameters(), {.lr = 1.0});
     backward(sum((*lin)(ops::ones(Shape{1, 3}))));  // dW = 1 everywhere
     sgd.step();
     CHECK(lin->weight().dtype() == DType::F32);
@@ -104,7 +104,7 @@ TEST_CASE("SGD: plain, weight decay, momentum", "[optim]") {
 TEST_CASE("AdamW matches the algorithm; weight decay is decoupled", "[optim]") {
   const double lr = 0.01, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.1;
   Tensor p = leaf({0.5, -1.5, 2.0});
-  optim::AdamW adam({p}, lr, b1, b2, eps, wd);
+  optim::AdamW adam({p}, {.lr = lr, .beta1 = b1, .beta2 = b2, .eps = eps, .weight_decay = wd});
   std::vector<AdamRef> ref = {{0.5}, {-1.5}, {2.0}};
   const std::vector<Vec> grads = {{0.1, -0.2, 3.0}, {-0.3, -0.2, 1.0}, {0.0, 0.4, -2.0}};
   for (const Vec& g : grads) {
@@ -119,7 +119,7 @@ TEST_CASE("AdamW matches the algorithm; weight decay is decoupled", "[optim]") {
   }
   // First step by hand: mhat = g, vhat = g^2, so p1 = p0 (1 - lr wd) - lr sign(g).
   Tensor q = leaf({2.0});
-  optim::AdamW one({q}, 0.1, 0.9, 0.999, 0.0, 0.5);
+  optim::AdamW one({q}, {.lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 0.0, .weight_decay = 0.5});
   give_grad(q, {-4.0});
   one.step();
   CHECK(values(q)[0] == Approx(2.0 * (1 - 0.05) + 0.1).epsilon(1e-14));
@@ -127,7 +127,8 @@ TEST_CASE("AdamW matches the algorithm; weight decay is decoupled", "[optim]") {
   // Decoupled: with a zero gradient the moments stay 0 and the parameter
   // only shrinks by (1 - lr wd). (Adam with L2 would move it by ~lr.)
   Tensor r = leaf({3.0, -1.0});
-  optim::AdamW decay({r}, 0.1, 0.9, 0.999, 1e-8, 0.2);
+  optim::AdamW decay({r},
+                     {.lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.2});
   give_grad(r, {0.0, 0.0});
   decay.step();
   check_close(values(r), {3.0 * 0.98, -1.0 * 0.98}, 1e-15);
@@ -138,7 +139,8 @@ TEST_CASE("AdamW matches the algorithm; weight decay is decoupled", "[optim]") {
 
 TEST_CASE("optimizers skip parameters without gradients; set_lr applies", "[optim]") {
   Tensor a = leaf({1.0}), b = leaf({1.0});
-  optim::AdamW adam({a, b}, 0.1, 0.9, 0.999, 1e-8, 0.0);
+  optim::AdamW adam({a, b},
+                    {.lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.0});
   give_grad(a, {1.0});
   adam.step();
   CHECK(values(a)[0] == Approx(0.9));
@@ -148,14 +150,14 @@ TEST_CASE("optimizers skip parameters without gradients; set_lr applies", "[opti
   CHECK(state.at("1.step").item<int64_t>() == 0);
 
   Tensor c = leaf({1.0});
-  optim::SGD sgd({c}, 0.1);
+  optim::SGD sgd({c}, {.lr = 0.1});
   sgd.set_lr(0.5);
   CHECK(sgd.lr() == 0.5);
   give_grad(c, {1.0});
   sgd.step();
   CHECK(values(c)[0] == 0.5);
   CHECK_THROWS_WITH(sgd.set_lr(-1), Catch::Contains("[optim::SGD] expected lr >= 0"));
-  CHECK_THROWS_WITH(optim::SGD(optim::NamedParams{{"w", c}, {"w", a}}, 0.1),
+  CHECK_THROWS_WITH(optim::SGD(optim::NamedParams{{"w", c}, {"w", a}}, {.lr = 0.1}),
                     Catch::Contains("expected unique parameter names"));
 }
 
@@ -176,7 +178,7 @@ TEST_CASE("clip_grad_norm uses the global L2 norm", "[optim]") {
 }
 
 TEST_CASE("CosineSchedule: linear warm-up, cosine decay, floor", "[optim]") {
-  optim::CosineSchedule s(1.0, 10, 110, 0.1);
+  optim::CosineSchedule s({.base_lr = 1.0, .warmup_steps = 10, .total_steps = 110, .min_lr = 0.1});
   CHECK(s.lr(0) == Approx(0.1));
   CHECK(s.lr(4) == Approx(0.5));
   CHECK(s.lr(9) == Approx(1.0));
@@ -187,10 +189,11 @@ TEST_CASE("CosineSchedule: linear warm-up, cosine decay, floor", "[optim]") {
   CHECK(s.lr(109) > 0.1);
   CHECK(s.lr(110) == Approx(0.1));
   CHECK(s.lr(1000) == Approx(0.1));
-  optim::CosineSchedule no_warmup(2.0, 0, 4);
+  optim::CosineSchedule no_warmup({.base_lr = 2.0, .warmup_steps = 0, .total_steps = 4});
   CHECK(no_warmup.lr(0) == Approx(2.0));
   CHECK(no_warmup.lr(2) == Approx(1.0));
-  CHECK_THROWS_WITH(optim::CosineSchedule(1.0, 5, 4), Catch::Contains("warmup_steps <= total"));
+  CHECK_THROWS_WITH(optim::CosineSchedule({.base_lr = 1.0, .warmup_steps = 5, .total_steps = 4}),
+                    Catch::Contains("warmup_steps <= total"));
 }
 
 TEST_CASE("optimizer state_dict round trip resumes bit-identically", "[optim]") {
@@ -204,7 +207,7 @@ TEST_CASE("optimizer state_dict round trip resumes bit-identically", "[optim]") 
   };
   SECTION("AdamW") {
     Tensor p = leaf({1.0, 2.0, 3.0}, DType::F32);
-    optim::AdamW a({p}, 0.05);
+    optim::AdamW a({p}, {.lr = 0.05});
     run(a, p, 0, 2);
     auto saved_state = a.state_dict();
     Tensor saved_p = ops::clone(p);
@@ -212,7 +215,7 @@ TEST_CASE("optimizer state_dict round trip resumes bit-identically", "[optim]") 
 
     Tensor q = leaf({0.0, 0.0, 0.0}, DType::F32);
     ops::copy_(q, saved_p);
-    optim::AdamW b({q}, 0.5);  // a different lr, restored from the state
+    optim::AdamW b({q}, {.lr = 0.5});  // a different lr, restored from the state
     b.load_state_dict(saved_state);
     CHECK(b.lr() == 0.05);
     run(b, q, 2, 4);
@@ -222,7 +225,7 @@ TEST_CASE("optimizer state_dict round trip resumes bit-identically", "[optim]") 
   }
   SECTION("SGD with momentum") {
     Tensor p = leaf({1.0, 2.0, 3.0}, DType::F32);
-    optim::SGD a({p}, 0.1, 0.9);
+    optim::SGD a({p}, {.lr = 0.1, .momentum = 0.9});
     run(a, p, 0, 2);
     auto saved_state = a.state_dict();
     REQUIRE(saved_state.count("0.momentum_buffer") == 1);
@@ -230,20 +233,20 @@ TEST_CASE("optimizer state_dict round trip resumes bit-identically", "[optim]") 
     run(a, p, 2, 4);
     Tensor q = leaf({0.0, 0.0, 0.0}, DType::F32);
     ops::copy_(q, saved_p);
-    optim::SGD b({q}, 0.1, 0.9);
+    optim::SGD b({q}, {.lr = 0.1, .momentum = 0.9});
     b.load_state_dict(saved_state);
     run(b, q, 2, 4);
     CHECK(ops::equal(p, q));
     // Without the momentum state the continuation differs.
     Tensor r = leaf({0.0, 0.0, 0.0}, DType::F32);
     ops::copy_(r, saved_p);
-    optim::SGD c({r}, 0.1, 0.9);
+    optim::SGD c({r}, {.lr = 0.1, .momentum = 0.9});
     run(c, r, 2, 4);
     CHECK_FALSE(ops::equal(p, r));
   }
   SECTION("mismatched state is rejected") {
     Tensor p = leaf({1.0, 2.0, 3.0});
-    optim::AdamW a({p}, 0.05);
+    optim::AdamW a({p}, {.lr = 0.05});
     auto state = a.state_dict();
     state["0.exp_avg"] = ops::zeros(Shape{2}, DType::F64);
     CHECK_THROWS_WITH(a.load_state_dict(state), Catch::Contains("expected '0.exp_avg' of shape"));

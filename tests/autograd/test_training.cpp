@@ -19,8 +19,10 @@ namespace {
 class MLP final : public Module {
  public:
   MLP(int64_t in, int64_t hidden, int64_t out, Generator& gen) : Module("MLP") {
-    fc1_ = register_module("fc1", std::make_shared<nn::Linear>(in, hidden, gen));
-    fc2_ = register_module("fc2", std::make_shared<nn::Linear>(hidden, out, gen));
+    fc1_ = register_module("fc1",
+                           nn::make<nn::Linear>({.in_features = in, .out_features = hidden}, gen));
+    fc2_ = register_module("fc2",
+                           nn::make<nn::Linear>({.in_features = hidden, .out_features = out}, gen));
   }
 
  protected:
@@ -44,7 +46,8 @@ std::vector<double> train_xor(uint64_t seed, int steps) {
   Tensor y = ops::from_vector(labels, Shape{n});
 
   auto model = std::make_shared<MLP>(2, 16, 2, gen);
-  optim::AdamW opt(model->named_parameters(), 0.05, 0.9, 0.999, 1e-8, 0.0);
+  optim::AdamW opt(model->named_parameters(),
+                   {.lr = 0.05, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.0});
   std::vector<double> losses;
   for (int s = 0; s < steps; ++s) {
     Tensor loss = cross_entropy((*model)(x), y);
@@ -64,8 +67,10 @@ std::vector<double> train_copy_lm(uint64_t seed, int steps, nn::TransformerLMCon
   const int64_t B = 8, S = 12, period = 4;
   Generator gen(seed);
   auto model = std::make_shared<nn::TransformerLM>(config, gen);
-  optim::AdamW opt(model->named_parameters(), 1e-2, 0.9, 0.99, 1e-8, 0.0);
-  optim::CosineSchedule schedule(1e-2, 20, steps, 1e-3);
+  optim::AdamW opt(model->named_parameters(),
+                   {.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.0});
+  optim::CosineSchedule schedule(
+      {.base_lr = 1e-2, .warmup_steps = 20, .total_steps = steps, .min_lr = 1e-3});
   std::vector<double> losses;
   for (int s = 0; s < steps; ++s) {
     Tensor pattern = ops::to(
@@ -166,8 +171,8 @@ TEST_CASE("a TransformerLM training step on CUDA matches the CPU", "[training]")
   auto gpu = std::make_shared<nn::TransformerLM>(config, g_gpu);
   const Device dev = Device::cuda(0);
   gpu->to(dev);
-  optim::AdamW opt_cpu(cpu->named_parameters(), 1e-2);
-  optim::AdamW opt_gpu(gpu->named_parameters(), 1e-2);
+  optim::AdamW opt_cpu(cpu->named_parameters(), {.lr = 1e-2});
+  optim::AdamW opt_gpu(gpu->named_parameters(), {.lr = 1e-2});
 
   Generator data(22);
   Tensor tokens = ops::to(ops::mul(ops::rand(Shape{2, 8}, data), 15.999), DType::I64);

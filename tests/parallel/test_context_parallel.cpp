@@ -211,7 +211,8 @@ TEST_CASE("async context parallel equals the sync variant and single-rank attent
     Tensor x = ops::randn({B, c.seq, d}, gen);
     Tensor w = ops::randn({B, c.seq, d}, gen);
     Generator init(1);
-    auto ref = std::make_shared<nn::SelfAttention>(d, H, c.kv_heads, true, init);
+    auto ref = nn::make<nn::SelfAttention>(
+        {.d_model = d, .n_heads = H, .n_kv_heads = c.kv_heads, .causal = true}, init);
     Tensor xr = ops::clone(x);
     set_requires_grad(xr);
     Tensor out_ref = (*ref)(xr);
@@ -226,7 +227,8 @@ TEST_CASE("async context parallel equals the sync variant and single-rank attent
       std::vector<std::vector<Tensor>> grads;
       for (bool async : {false, true}) {
         Generator g(1);
-        auto attn = std::make_shared<nn::SelfAttention>(d, H, c.kv_heads, true, g);
+        auto attn = nn::make<nn::SelfAttention>(
+            {.d_model = d, .n_heads = H, .n_kv_heads = c.kv_heads, .causal = true}, g);
         ContextParallel config;
         config.ulysses_degree = c.ds;
         config.load_balance = c.load_balance;
@@ -280,7 +282,8 @@ TEST_CASE("context parallel composes with tensor parallel on a (cp, tp) mesh", "
     Tensor x = ops::randn({B, S, d}, gen);
     Tensor w = ops::randn({B, S, d}, gen);
     Generator init(1);
-    auto ref = std::make_shared<nn::SelfAttention>(d, H, 4, true, init);
+    auto ref = nn::make<nn::SelfAttention>(
+        {.d_model = d, .n_heads = H, .n_kv_heads = 4, .causal = true}, init);
     Tensor xr = ops::clone(x);
     set_requires_grad(xr);
     Tensor out_ref = (*ref)(xr);
@@ -293,7 +296,8 @@ TEST_CASE("context parallel composes with tensor parallel on a (cp, tp) mesh", "
       DeviceMesh tp = mesh.slice("tp"), cp = mesh.slice("cp");
       const int c = static_cast<int>(mesh.coordinate()[0]);
       Generator g(1);
-      auto attn = std::make_shared<nn::SelfAttention>(d, H, 4, true, g);
+      auto attn = nn::make<nn::SelfAttention>(
+          {.d_model = d, .n_heads = H, .n_kv_heads = 4, .causal = true}, g);
       parallelize_module(attn, tp,
                          {{"q_proj", colwise()},
                           {"k_proj", colwise()},

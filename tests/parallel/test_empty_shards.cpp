@@ -51,7 +51,8 @@ void check_cp(const CPCase& c, bool causal) {
   Tensor x = ops::randn({B, c.seq, d}, gen);
   Tensor w = ops::randn({B, c.seq, d}, gen);  // loss weights
   Generator init(1);
-  auto ref = std::make_shared<nn::SelfAttention>(d, c.heads, c.kv_heads, causal, init);
+  auto ref = nn::make<nn::SelfAttention>(
+      {.d_model = d, .n_heads = c.heads, .n_kv_heads = c.kv_heads, .causal = causal}, init);
   Tensor xr = ops::clone(x);
   set_requires_grad(xr);
   Tensor out_ref = (*ref)(xr);
@@ -64,7 +65,8 @@ void check_cp(const CPCase& c, bool causal) {
     const int r = pg->rank();
     DeviceMesh mesh(pg, {c.cp}, {"cp"});
     Generator g(1);
-    auto attn = std::make_shared<nn::SelfAttention>(d, c.heads, c.kv_heads, causal, g);
+    auto attn = nn::make<nn::SelfAttention>(
+        {.d_model = d, .n_heads = c.heads, .n_kv_heads = c.kv_heads, .causal = causal}, g);
     ContextParallel config;
     config.ulysses_degree = c.ds;
     config.load_balance = c.load_balance;
@@ -188,7 +190,8 @@ TEST_CASE("context parallel refusals name what they refuse", "[cp]") {
   run_ranks(2, [&](ProcessGroupPtr pg) {
     DeviceMesh mesh(pg, {2}, {"cp"});
     Generator g(1);
-    auto attn = std::make_shared<nn::SelfAttention>(24, 6, 3, true, g);
+    auto attn = nn::make<nn::SelfAttention>(
+        {.d_model = 24, .n_heads = 6, .n_kv_heads = 3, .causal = true}, g);
     // Async ring: the mode is what is refused, not the Ulysses degree.
     AsyncContextParallel a;
     a.config.mode = CPMode::Ring;

@@ -51,7 +51,8 @@ Tensor skewed_router(int64_t experts) {
 
 std::shared_ptr<nn::MoE> make_moe(const Config& c) {
   Generator gen(kSeed);
-  auto moe = std::make_shared<nn::MoE>(kModel, kHidden, c.experts, c.top_k, gen);
+  auto moe = nn::make<nn::MoE>(
+      {.d_model = kModel, .hidden = kHidden, .num_experts = c.experts, .top_k = c.top_k}, gen);
   moe->to(DType::F64);
   if (c.skewed) moe->router()->set_parameter("weight", skewed_router(c.experts));
   return moe;
@@ -361,7 +362,8 @@ TEST_CASE("expert parallel rejects E not divisible by ep", "[ep]") {
   run_ranks(4, [&](ProcessGroupPtr pg) {
     DeviceMesh mesh(pg, {4}, {"ep"});
     Generator gen(kSeed);
-    auto moe = std::make_shared<nn::MoE>(kModel, kHidden, 6, 2, gen);
+    auto moe = nn::make<nn::MoE>(
+        {.d_model = kModel, .hidden = kHidden, .num_experts = 6, .top_k = 2}, gen);
     RANK_CHECK_THROWS_WITH(checks, expert_parallel(moe, mesh),
                            "expected num_experts divisible by ep");
     // Nothing changed: all experts are still here and the local forward runs.
@@ -391,7 +393,8 @@ TEST_CASE("expert parallel on a 2-D mesh uses the ep dim; sharded experts refuse
     RANK_CHECK_THROWS_WITH(checks, moe->expert(2 * (1 - ep_rank)), "expected a local expert");
 
     Generator gen(kSeed);
-    auto partial = std::make_shared<nn::MoE>(kModel, kHidden, 4, 1, gen);
+    auto partial = nn::make<nn::MoE>(
+        {.d_model = kModel, .hidden = kHidden, .num_experts = 4, .top_k = 1}, gen);
     partial->keep_experts(0, 2);
     RANK_CHECK_THROWS_WITH(checks, partial->call(Args{ops::ones({3, kModel})}),
                            "expected all 4 experts on this rank or a dispatcher");

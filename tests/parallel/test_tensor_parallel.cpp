@@ -101,8 +101,8 @@ TEST_CASE("column- then row-parallel linears with a bias", "[tp]") {
   Generator data(3);
   Tensor x = ops::randn({4, 6}, data);
   Generator init(5);
-  auto a = std::make_shared<nn::Linear>(6, 8, init, true);
-  auto b = std::make_shared<nn::Linear>(8, 6, init, true);
+  auto a = nn::make<nn::Linear>({.in_features = 6, .out_features = 8, .bias = true}, init);
+  auto b = nn::make<nn::Linear>({.in_features = 8, .out_features = 6, .bias = true}, init);
   Tensor xr = ops::clone(x);
   set_requires_grad(xr);
   Tensor yr = (*b)((*a)(xr));
@@ -111,8 +111,8 @@ TEST_CASE("column- then row-parallel linears with a bias", "[tp]") {
   run_ranks(2, [&](ProcessGroupPtr pg) {
     DeviceMesh mesh(pg, {2}, {"tp"});
     Generator g(5);
-    auto la = std::make_shared<nn::Linear>(6, 8, g, true);
-    auto lb = std::make_shared<nn::Linear>(8, 6, g, true);
+    auto la = nn::make<nn::Linear>({.in_features = 6, .out_features = 8, .bias = true}, g);
+    auto lb = nn::make<nn::Linear>({.in_features = 8, .out_features = 6, .bias = true}, g);
     colwise()->apply(*la, mesh);
     rowwise()->apply(*lb, mesh);
     Tensor xl = ops::clone(x);
@@ -251,9 +251,9 @@ TEST_CASE("parallel styles reject what they cannot shard", "[tp]") {
   run_ranks(2, [&](ProcessGroupPtr pg) {
     DeviceMesh mesh(pg, {2}, {"tp"});
     Generator g(1);
-    auto norm = std::make_shared<nn::LayerNorm>(4);
+    auto norm = nn::make<nn::LayerNorm>({.dim = 4});
     RANK_CHECK_THROWS_WITH(rc, colwise()->apply(*norm, mesh), "expected an nn::Linear");
-    auto lin = std::make_shared<nn::Linear>(4, 4, g);
+    auto lin = nn::make<nn::Linear>({.in_features = 4, .out_features = 4}, g);
     RANK_CHECK_THROWS_WITH(rc, parallelize_module(lin, mesh, {{"nope", colwise()}}),
                            "no such module");
     DeviceMesh mesh2(pg, {1, 2}, {"dp", "tp"});
@@ -311,8 +311,8 @@ TEST_CASE("column- then row-parallel linears with biases and an empty shard", "[
     Generator data(3);
     Tensor x = ops::randn({2, 3, 6}, data);
     Generator init(5);
-    auto a = std::make_shared<nn::Linear>(6, hidden, init, true);
-    auto b = std::make_shared<nn::Linear>(hidden, 6, init, true);
+    auto a = nn::make<nn::Linear>({.in_features = 6, .out_features = hidden, .bias = true}, init);
+    auto b = nn::make<nn::Linear>({.in_features = hidden, .out_features = 6, .bias = true}, init);
     Tensor xr = ops::clone(x);
     set_requires_grad(xr);
     Tensor yr = (*b)((*a)(xr));
@@ -321,8 +321,8 @@ TEST_CASE("column- then row-parallel linears with biases and an empty shard", "[
     run_ranks(4, [&](ProcessGroupPtr pg) {
       DeviceMesh mesh(pg, {4}, {"tp"});
       Generator g(5);
-      auto la = std::make_shared<nn::Linear>(6, hidden, g, true);
-      auto lb = std::make_shared<nn::Linear>(hidden, 6, g, true);
+      auto la = nn::make<nn::Linear>({.in_features = 6, .out_features = hidden, .bias = true}, g);
+      auto lb = nn::make<nn::Linear>({.in_features = hidden, .out_features = 6, .bias = true}, g);
       colwise()->apply(*la, mesh);
       rowwise()->apply(*lb, mesh);
       Tensor xl = ops::clone(x);

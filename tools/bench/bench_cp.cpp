@@ -161,7 +161,9 @@ SingleRun run_single(const Size& size, const Tensor& x, const Tensor& w, int ste
   const int64_t base = allocated_bytes();
   {
     Generator gen(1);
-    auto layer = std::make_shared<nn::SelfAttention>(size.dim, size.heads, size.heads, true, gen);
+    auto layer = nn::make<nn::SelfAttention>(
+        {.d_model = size.dim, .n_heads = size.heads, .n_kv_heads = size.heads, .causal = true},
+        gen);
     Tensor xs = ops::clone(x), ws = ops::clone(w);
     reset_peak_memory(Device::cpu());
     train_step(*layer, xs, ws);
@@ -263,7 +265,8 @@ LinkChoice calibrate_link(const Size& size) {
   run_ranks(kRanks, [&](ProcessGroupPtr world) {
     lockstep.guard([&] {
       Generator g(1);
-      auto proj = std::make_shared<nn::Linear>(size.dim, size.dim, g, false);
+      auto proj = nn::make<nn::Linear>(
+          {.in_features = size.dim, .out_features = size.dim, .bias = false}, g);
       NoGradGuard no_grad;
       for (int i = 0; i < kWarmup + kTrials; ++i) {
         lockstep.sync();
@@ -355,7 +358,8 @@ void read_link_traffic(ModeRun& run) {
 std::shared_ptr<nn::SelfAttention> make_layer(const Size& size, const Mode& mode,
                                               const DeviceMesh& mesh) {
   Generator gen(1);  // the same weights on every rank
-  auto layer = std::make_shared<nn::SelfAttention>(size.dim, size.heads, size.heads, true, gen);
+  auto layer = nn::make<nn::SelfAttention>(
+      {.d_model = size.dim, .n_heads = size.heads, .n_kv_heads = size.heads, .causal = true}, gen);
   ContextParallel config;
   config.ulysses_degree = mode.ds;
   config.load_balance = mode.load_balance;

@@ -19,9 +19,13 @@ MoELanguageModel::MoELanguageModel(const ModelConfig& config, Generator& gen)
                "experts {} and top_k {}",
                config.experts, config.top_k);
   tok_emb_ = register_module(
-      "tok_emb", std::make_shared<nn::Embedding>(config.vocab, config.d_model, gen, 0.02));
+      "tok_emb",
+      nn::make<nn::Embedding>(
+          {.num_embeddings = config.vocab, .dim = config.d_model, .init_std = 0.02}, gen));
   pos_emb_ = register_module(
-      "pos_emb", std::make_shared<nn::Embedding>(config.max_seq, config.d_model, gen, 0.02));
+      "pos_emb",
+      nn::make<nn::Embedding>(
+          {.num_embeddings = config.max_seq, .dim = config.d_model, .init_std = 0.02}, gen));
   blocks_ = register_module("blocks", std::make_shared<nn::ModuleList>());
   nn::TransformerBlockConfig block;
   block.d_model = config.d_model;
@@ -35,7 +39,9 @@ MoELanguageModel::MoELanguageModel(const ModelConfig& config, Generator& gen)
     blocks_->append(std::make_shared<nn::TransformerBlock>(block, gen));
   norm_f_ = register_module("norm_f", nn::make_norm(nn::NormKind::Rms, config.d_model, 1e-5));
   lm_head_ = register_module(
-      "lm_head", std::make_shared<nn::Linear>(config.d_model, config.vocab, gen, false));
+      "lm_head",
+      nn::make<nn::Linear>(
+          {.in_features = config.d_model, .out_features = config.vocab, .bias = false}, gen));
 }
 
 std::shared_ptr<nn::TransformerBlock> MoELanguageModel::block(int64_t i) const {

@@ -158,7 +158,10 @@ void build(Rank& r) {
     r.params.push_back(param);
     named.emplace_back(name, p);
   }
-  r.optimizer = std::make_unique<optim::AdamW>(named, o.lr, 0.9, 0.95, 1e-8, o.weight_decay);
+  r.optimizer = std::make_unique<optim::AdamW>(
+      named,
+      optim::AdamWOptions{
+          .lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = o.weight_decay});
 }
 
 // ---- one step ----
@@ -500,7 +503,10 @@ void run_rank(const TrainOptions& o, const Task& task, ProcessGroupPtr world, st
   }
   if (r.root()) result.first_step = first;  // TrainResult is rank 0's
   const Fault fault = parse_fault(o.fault);
-  const optim::CosineSchedule schedule(o.lr, std::min(o.warmup, o.steps), o.steps, o.min_lr);
+  const optim::CosineSchedule schedule({.base_lr = o.lr,
+                                        .warmup_steps = std::min(o.warmup, o.steps),
+                                        .total_steps = o.steps,
+                                        .min_lr = o.min_lr});
   const int64_t trace_first = std::min<int64_t>(first + 1, o.steps - 1);
   for (int64_t step = first; step < o.steps; ++step) {
     const bool tracing =
