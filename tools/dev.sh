@@ -165,6 +165,47 @@ run_async() {
   run_suites async "$build" "TANDEM_CPU_STREAMS=async" "${async_suites[@]}"
 }
 
+# The two projects of examples/ built and run as a user's project would be
+# (README, "Your own project"): examples/installed against a staged install of
+# the normal build ($build/stage, through its relocatable tandem.pc), and
+# examples/subproject with this checkout as its subprojects/tandem (a copy of
+# the example in $examples_build/subproject-src whose subprojects/tandem links
+# here; CUDA and MPI off in that build of tandem). Each program exits non-zero
+# unless its loss falls. TANDEM_SKIP_EXAMPLES=1 skips it.
+examples_build="${TANDEM_EXAMPLES_BUILD_DIR:-$root/build-examples}"
+run_examples() {
+  local stage="$build/stage" failed=0
+  rm -rf "$stage"
+  if ! meson install -C "$build" --destdir "$stage" --no-rebuild --quiet; then
+    echo "tandem: the staged install failed"
+    return 1
+  fi
+  local pc
+  pc="$(find "$stage" -name tandem.pc -print -quit)"
+  rm -rf "$examples_build/installed"
+  if ! PKG_CONFIG_PATH="$(dirname "$pc")" meson setup "$examples_build/installed" \
+      "$root/examples/installed" >/dev/null ||
+      ! ninja -C "$examples_build/installed" -j "$jobs" >/dev/null ||
+      ! "$examples_build/installed/moe-dp-cp-ep"; then
+    echo "tandem: examples/installed failed"
+    failed=$((failed + 1))
+  fi
+  local src="$examples_build/subproject-src"
+  mkdir -p "$src/subprojects"
+  cp "$root"/examples/subproject/*.cpp "$root"/examples/subproject/meson.build "$src/"
+  ln -sfn "$root" "$src/subprojects/tandem"
+  if [[ ! -f "$examples_build/subproject/build.ninja" ]]; then
+    meson setup "$examples_build/subproject" "$src" -Dtandem:cuda=disabled -Dtandem:mpi=disabled \
+      >/dev/null || failed=$((failed + 1))
+  fi
+  if ! ninja -C "$examples_build/subproject" -j "$jobs" >/dev/null ||
+      ! "$examples_build/subproject/mlp"; then
+    echo "tandem: examples/subproject failed"
+    failed=$((failed + 1))
+  fi
+  return $failed
+}
+
 # libFuzzer targets (tools/fuzz, built with clang++ in their own directory),
 # each run for TANDEM_FUZZ_SECONDS (default 20) from its seed corpus; what the
 # run adds goes to $fuzz_build/corpus/<fuzzer>, emptied first so that every
@@ -258,6 +299,11 @@ run_tests() {
     extra_failed=$((extra_failed + failed))
     reports+=("$build"/tests/junit-async-*.xml)
   fi
+  if [[ "${TANDEM_SKIP_EXAMPLES:-0}" != 1 ]]; then
+    failed=0
+    timed examples run_examples || failed=$?
+    extra_failed=$((extra_failed + failed))
+  fi
   if [[ "${TANDEM_SKIP_TSAN:-0}" != 1 ]]; then
     failed=0
     timed tsan run_tsan || failed=$?
@@ -290,6 +336,7 @@ case "${1:-}" in
     exec "$build/tools/tandem-train" "$@"
     ;;
   test)
+    "$root/tools/check_sizes.sh"  # STYLE: no source file past 800 lines
     install_missing
     configure_and_build
     run_tests
