@@ -1,9 +1,10 @@
 #include "autograd/module.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 
 #include "autograd/function.h"
-#include "runtime/config.h"
 #include "runtime/error.h"
 #include "runtime/trace.h"
 #include "tensor/ops.h"
@@ -63,7 +64,7 @@ std::vector<Tensor> through_hooks(Module& m, const char* node_name, Hooks& hooks
 // returns a tensor without a backward node, and the parameters before it never
 // get a gradient: no error, just a model that does not learn. Module::call
 // checks the symptom at every module boundary when check_dropped_gradients()
-// is on (runtime/config.h): in grad mode, a forward that saw a tensor
+// is on (autograd/module.h): in grad mode, a forward that saw a tensor
 // requiring grad — an input, one of its own parameters, or an output of a
 // child module it called — must return at least one floating tensor that
 // requires grad. Each active call keeps one flag on a per-thread stack, which
@@ -71,6 +72,25 @@ std::vector<Tensor> through_hooks(Module& m, const char* node_name, Hooks& hooks
 // own inputs are token ids is still checked after its embedding. A forward
 // that returns no floating tensor, or that turns grad mode off itself, is not
 // checked; a deliberate stop belongs under NoGradGuard or detach().
+bool check_gradients_from_env() {
+  const char* text = std::getenv("TANDEM_CHECK_GRADIENTS");
+  if (text == nullptr) {
+#ifdef NDEBUG
+    return false;
+#else
+    return true;
+#endif
+  }
+  TANDEM_CHECK(std::string(text) == "0" || std::string(text) == "1",
+               "[autograd] expected TANDEM_CHECK_GRADIENTS=0|1, got \"{}\"", text);
+  return std::string(text) == "1";
+}
+
+std::atomic<bool>& check_gradients() {
+  static std::atomic<bool> value{check_gradients_from_env()};
+  return value;
+}
+
 struct GradientCheckFrame {
   static std::vector<bool>& stack() {
     thread_local std::vector<bool> frames;
@@ -95,6 +115,13 @@ bool any_floating(const std::vector<Tensor>& tensors) {
 }
 
 }  // namespace
+
+bool check_dropped_gradients() {
+  return check_gradients().load(std::memory_order_relaxed);
+}
+void set_check_dropped_gradients(bool on) {
+  check_gradients() = on;
+}
 
 void HookHandle::remove() {
   if (auto m = module_.lock()) m->remove_hook(id_);

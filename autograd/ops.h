@@ -21,7 +21,7 @@
 // gradient stops there without a word. Module::call catches the common case,
 // a module whose forward saw a tensor requiring grad and returns none (Note
 // [Dropped gradients] in autograd/module.cpp; on in builds with assertions,
-// TANDEM_CHECK_GRADIENTS=1 elsewhere).
+// TANDEM_CHECK_GRADIENTS=1 elsewhere; autograd/module.h).
 #pragma once
 
 #include <utility>

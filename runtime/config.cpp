@@ -29,20 +29,6 @@ CpuStreamMode mode_from_env() {
   return CpuStreamMode::Async;
 }
 
-bool check_gradients_from_env() {
-  const char* text = std::getenv("TANDEM_CHECK_GRADIENTS");
-  if (text == nullptr) {
-#ifdef NDEBUG
-    return false;
-#else
-    return true;
-#endif
-  }
-  TANDEM_CHECK(std::string(text) == "0" || std::string(text) == "1",
-               "[runtime::config] expected TANDEM_CHECK_GRADIENTS=0|1, got \"{}\"", text);
-  return std::string(text) == "1";
-}
-
 std::atomic<long long>& timeout_ms() {
   static std::atomic<long long> value{timeout_from_env().count()};
   return value;
@@ -50,11 +36,6 @@ std::atomic<long long>& timeout_ms() {
 
 std::atomic<CpuStreamMode>& stream_mode() {
   static std::atomic<CpuStreamMode> value{mode_from_env()};
-  return value;
-}
-
-std::atomic<bool>& check_gradients() {
-  static std::atomic<bool> value{check_gradients_from_env()};
   return value;
 }
 
@@ -74,13 +55,6 @@ CpuStreamMode default_cpu_stream_mode() {
 }
 void set_default_cpu_stream_mode(CpuStreamMode mode) {
   stream_mode() = mode;
-}
-
-bool check_dropped_gradients() {
-  return check_gradients().load(std::memory_order_relaxed);
-}
-void set_check_dropped_gradients(bool on) {
-  check_gradients() = on;
 }
 
 }  // namespace tandem

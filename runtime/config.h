@@ -20,11 +20,4 @@ void set_wait_timeout(std::chrono::milliseconds timeout);
 CpuStreamMode default_cpu_stream_mode();
 void set_default_cpu_stream_mode(CpuStreamMode mode);
 
-// Whether Module::call checks that a forward which saw a tensor requiring grad
-// returns one (Note [Dropped gradients] in autograd/module.cpp):
-// TANDEM_CHECK_GRADIENTS=1|0; by default on in builds with assertions
-// (NDEBUG undefined: debug and the sanitizer builds), off in release builds.
-bool check_dropped_gradients();
-void set_check_dropped_gradients(bool on);
-
 }  // namespace tandem

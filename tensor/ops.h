@@ -48,7 +48,7 @@ struct AttentionOptions {
   bool causal = false;
   int64_t q_offset = 0;
   int64_t k_offset = 0;
-  std::optional<double> scale = std::nullopt;  // default 1/sqrt(D)
+  std::optional<double> scale;  // default 1/sqrt(D)
 };
 
 struct AttentionResult {

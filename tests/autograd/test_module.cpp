@@ -17,7 +17,6 @@
 #include "autograd/nn/norm.h"
 #include "autograd/ops.h"
 #include "autograd/optim.h"
-#include "runtime/config.h"
 #include "runtime/error.h"
 #include "tests/support/autograd_util.h"
 #include "tests/support/test_util.h"
