@@ -156,8 +156,9 @@ void backward(const Tensor& loss, const BackwardOptions& options) {
   backward({loss}, {ops::ones_like(loss)}, options);
 }
 
-std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
-                         const std::vector<Tensor>& grad_outputs, const BackwardOptions& options) {
+std::vector<Tensor> gradients(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                              const std::vector<Tensor>& grad_outputs,
+                              const BackwardOptions& options) {
   std::vector<Tensor> seeds = grad_outputs;
   if (seeds.empty()) {
     for (const Tensor& o : outputs)
@@ -169,7 +170,8 @@ std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<T
   std::vector<std::pair<std::shared_ptr<Node>, int>> node_hooks;
   for (size_t i = 0; i < inputs.size(); ++i) {
     TANDEM_CHECK(requires_grad(inputs[i]),
-                 "[autograd::grad] expected input {} to require grad, got one that does not", i);
+                 "[autograd::gradients] expected input {} to require grad, got one that does not",
+                 i);
     AutogradMeta* m = autograd_meta(inputs[i]);
     if (m->grad_fn) {
       int h = m->grad_fn->add_output_hook(m->output_nr, [&result, i](const Tensor& g) {

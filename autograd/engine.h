@@ -19,10 +19,11 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
               const BackwardOptions& options = {});
 
 // Gradients of `outputs` with respect to `inputs` without touching .grad
-// (undefined where an input is unreachable).
-std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
-                         const std::vector<Tensor>& grad_outputs = {},
-                         const BackwardOptions& options = {});
+// (undefined where an input is unreachable): torch.autograd.grad. Not named
+// grad: grad(t) (autograd/node.h) reads one tensor's accumulated gradient.
+std::vector<Tensor> gradients(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                              const std::vector<Tensor>& grad_outputs = {},
+                              const BackwardOptions& options = {});
 
 // Adds `g` into `acc` (either may be undefined); sums g over broadcast dims
 // when its shape is wider than `shape`.

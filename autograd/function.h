@@ -1,6 +1,9 @@
 // Custom differentiable functions (DESIGN §4): subclass Function, implement
 // forward (runs without recording) and backward (one gradient per input;
-// undefined = no gradient), and call apply(). The sync hooks of the dual-pipe
+// undefined = no gradient), and call apply(). Non-tensor state (split sizes,
+// flags, handles) lives in the Function's own members; tensors backward needs
+// go through ctx.save_for_backward, which stores them detached (a member
+// holding an output would tie the node to itself). The sync hooks of the dual-pipe
 // schedule and the differentiable collectives are Functions.
 //
 //   struct Scale final : Function {
@@ -16,10 +19,8 @@
 //   Tensor y = Function::apply(std::make_shared<Scale>(...), {x})[0];
 #pragma once
 
-#include <any>
 #include <memory>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "autograd/node.h"
@@ -30,15 +31,10 @@ struct FunctionCtx {
   // Tensors backward needs (stored detached).
   void save_for_backward(const std::vector<Tensor>& tensors);
   const std::vector<Tensor>& saved_tensors() const { return saved_; }
-  // Non-tensor state (split sizes, flags, handles) for backward.
-  std::unordered_map<std::string, std::any> values;
   // needs_input_grad[i]: whether input i gets a gradient.
   std::vector<bool> needs_input_grad;
 
-  void release() {
-    saved_.clear();
-    values.clear();
-  }
+  void release() { saved_.clear(); }
 
  private:
   std::vector<Tensor> saved_;

@@ -48,7 +48,7 @@ GradcheckResult gradcheck(const std::function<std::vector<Tensor>(const std::vec
       wrt_index.push_back(i);
     }
   }
-  std::vector<Tensor> analytic = grad({loss}, wrt);
+  std::vector<Tensor> analytic = gradients({loss}, wrt);
 
   GradcheckResult result;
   double worst_excess = 0;

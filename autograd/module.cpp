@@ -1,6 +1,8 @@
 #include "autograd/module.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 
 #include "autograd/function.h"
 #include "runtime/error.h"
@@ -56,7 +58,70 @@ std::vector<Tensor> through_hooks(Module& m, const char* node_name, Hooks& hooks
   return Function::apply(fn, tensors);
 }
 
+// Note [Dropped gradients]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// A raw ops:: call in a forward (Note [Two op namespaces] in autograd/ops.h)
+// returns a tensor without a backward node, and the parameters before it never
+// get a gradient: no error, just a model that does not learn. Module::call
+// checks the symptom at every module boundary when check_dropped_gradients()
+// is on (autograd/module.h): in grad mode, a forward that saw a tensor
+// requiring grad — an input, one of its own parameters, or an output of a
+// child module it called — must return at least one floating tensor that
+// requires grad. Each active call keeps one flag on a per-thread stack, which
+// a child's call sets when the child returns such a tensor; so a parent whose
+// own inputs are token ids is still checked after its embedding. A forward
+// that returns no floating tensor, or that turns grad mode off itself, is not
+// checked; a deliberate stop belongs under NoGradGuard or detach().
+bool check_gradients_from_env() {
+  const char* text = std::getenv("TANDEM_CHECK_GRADIENTS");
+  if (text == nullptr) {
+#ifdef NDEBUG
+    return false;
+#else
+    return true;
+#endif
+  }
+  TANDEM_CHECK(std::string(text) == "0" || std::string(text) == "1",
+               "[autograd] expected TANDEM_CHECK_GRADIENTS=0|1, got \"{}\"", text);
+  return std::string(text) == "1";
+}
+
+std::atomic<bool>& check_gradients() {
+  static std::atomic<bool> value{check_gradients_from_env()};
+  return value;
+}
+
+struct GradientCheckFrame {
+  static std::vector<bool>& stack() {
+    thread_local std::vector<bool> frames;
+    return frames;
+  }
+  bool active;
+  explicit GradientCheckFrame(bool saw_grad)
+      : active(check_dropped_gradients() && grad_mode_enabled()) {
+    if (active) stack().push_back(saw_grad);
+  }
+  ~GradientCheckFrame() {
+    if (active) stack().pop_back();
+  }
+  bool saw_grad() const { return stack().back(); }
+};
+
+bool any_floating(const std::vector<Tensor>& tensors) {
+  for (const Tensor& t : tensors) {
+    if (t.defined() && is_floating(t.dtype())) return true;
+  }
+  return false;
+}
+
 }  // namespace
+
+bool check_dropped_gradients() {
+  return check_gradients().load(std::memory_order_relaxed);
+}
+void set_check_dropped_gradients(bool on) {
+  check_gradients() = on;
+}
 
 void HookHandle::remove() {
   if (auto m = module_.lock()) m->remove_hook(id_);
@@ -87,7 +152,32 @@ std::vector<Tensor> Module::call(Args args) {
     for (size_t j = 0; j < index.size(); ++j)
       args.positional[index[j]] = wrapped[j];
   }
-  std::vector<Tensor> outputs = forward(args);
+  std::vector<Tensor> outputs;
+  {
+    bool saw_grad = false;
+    if (check_dropped_gradients() && grad_mode_enabled()) {
+      saw_grad = any_requires_grad(args.positional);
+      for (const auto& [name, t] : args.named)
+        saw_grad = saw_grad || (t.defined() && requires_grad(t));
+      for (const auto& [name, p] : params_)
+        saw_grad = saw_grad || (p->defined() && requires_grad(*p));
+    }
+    GradientCheckFrame frame(saw_grad);
+    outputs = forward(args);
+    if (frame.active && grad_mode_enabled()) {
+      const bool out_grad = any_requires_grad(outputs);
+      TANDEM_CHECK(out_grad || !frame.saw_grad() || !any_floating(outputs),
+                   "[nn::{}] expected forward to return a tensor that requires grad: it saw one "
+                   "(an input, a parameter or a child module's output) in grad mode, but none of "
+                   "its {} outputs requires grad. A raw ops:: call (tensor/ops.h) records no "
+                   "backward node; use the differentiable op of the same name in namespace "
+                   "tandem (autograd/ops.h), or NoGradGuard where the gradient is meant to stop "
+                   "(Note [Dropped gradients])",
+                   type_name_, outputs.size());
+      auto& stack = GradientCheckFrame::stack();
+      if (out_grad && stack.size() >= 2) stack[stack.size() - 2] = true;
+    }
+  }
   // Note [Backward pre-hooks see every use]: the outputs pass the backward
   // pre-hook node *before* the forward hooks run, so a forward hook that
   // consumes an output (e.g. launches a collective on it) contributes to the

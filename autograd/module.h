@@ -65,6 +65,13 @@ class HookHandle {
   int id_ = 0;
 };
 
+// Whether Module::call checks that a forward which saw a tensor requiring grad
+// returns one (Note [Dropped gradients] in autograd/module.cpp):
+// TANDEM_CHECK_GRADIENTS=1|0; by default on in builds with assertions
+// (NDEBUG undefined: debug and the sanitizer builds), off in release builds.
+bool check_dropped_gradients();
+void set_check_dropped_gradients(bool on);
+
 class Module : public std::enable_shared_from_this<Module> {
  public:
   explicit Module(std::string type_name) : type_name_(std::move(type_name)) {}

@@ -9,6 +9,19 @@
 // Gradient conventions follow PyTorch: broadcasting is summed back, integer
 // outputs (argmax, topk indices) carry no gradient, amax/amin split the
 // gradient evenly between tied maxima.
+//
+// Note [Two op namespaces]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// tandem::ops:: (tensor/ops.h) computes and records nothing; tandem:: (this
+// file) computes through ops:: and records the backward node. A model's
+// forward uses tandem::; ops:: is for what no gradient flows through:
+// optimizer updates, data, metrics, initialisation, and the bodies of
+// Function::forward/backward and of backward nodes. An ops:: call on a tensor
+// that requires grad, in grad mode, returns a tensor that does not: the
+// gradient stops there without a word. Module::call catches the common case,
+// a module whose forward saw a tensor requiring grad and returns none (Note
+// [Dropped gradients] in autograd/module.cpp; on in builds with assertions,
+// TANDEM_CHECK_GRADIENTS=1 elsewhere; autograd/module.h).
 #pragma once
 
 #include <utility>

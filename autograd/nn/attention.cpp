@@ -81,7 +81,9 @@ SelfAttention::SelfAttention(const SelfAttentionOptions& options, Generator& gen
       "o_proj",
       nn::make<nn::Linear>(
           {.in_features = n_heads * head_dim_, .out_features = d_model, .bias = false}, gen));
-  core_ = register_module("core", nn::make<CoreAttention>({.causal = options.causal}));
+  AttentionOptions core_options;
+  core_options.causal = options.causal;
+  core_ = register_module("core", nn::make<CoreAttention>(core_options));
 }
 
 std::vector<Tensor> SelfAttention::forward(Args& args) {

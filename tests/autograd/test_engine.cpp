@@ -85,14 +85,15 @@ TEST_CASE("engine: a released graph cannot be replayed; retain_graph keeps it", 
   }
 }
 
-TEST_CASE("engine: grad(outputs, inputs) returns gradients without touching .grad", "[engine]") {
+TEST_CASE("engine: gradients(outputs, inputs) returns gradients without touching .grad",
+          "[engine]") {
   Tensor x = leaf(Shape{3}, 3);
   Tensor y = leaf(Shape{3}, 4);
   Tensor unused = leaf(Shape{2}, 5);
   std::vector<double> xv = values_of(x), yv = values_of(y);
   Tensor h = x * y;  // non-leaf input
   Tensor loss = sum(h * h);
-  std::vector<Tensor> g = grad({loss}, {x, y, h, unused});
+  std::vector<Tensor> g = gradients({loss}, {x, y, h, unused});
   REQUIRE(g.size() == 4);
   std::vector<double> gx, gy, gh;
   for (size_t i = 0; i < 3; ++i) {
@@ -110,12 +111,12 @@ TEST_CASE("engine: grad(outputs, inputs) returns gradients without touching .gra
   CHECK_FALSE(grad(h).defined());
   // Explicit output gradients seed a non-scalar output.
   Tensor z = x * 3.0;
-  std::vector<Tensor> gz = grad({z}, {x}, {tensor_of({1, 2, 3}, Shape{3}, F64)});
+  std::vector<Tensor> gz = gradients({z}, {x}, {tensor_of({1, 2, 3}, Shape{3}, F64)});
   CHECK(values_of(gz[0]) == std::vector<double>{3, 6, 9});
   CHECK_FALSE(grad(x).defined());
   // An input that does not require grad is an error.
   Tensor plain = tensor_of({1, 2, 3}, Shape{3}, F64);
-  CHECK_THROWS_WITH(grad({sum(x * 2.0)}, {plain}), Contains("require grad"));
+  CHECK_THROWS_WITH(gradients({sum(x * 2.0)}, {plain}), Contains("require grad"));
 }
 
 TEST_CASE("engine: retain_grad keeps a non-leaf gradient", "[engine]") {
@@ -262,13 +263,12 @@ struct ScaledProduct final : Function {
   const char* name() const override { return "ScaledProductBackward"; }
   std::vector<Tensor> forward(FunctionCtx& ctx, const std::vector<Tensor>& in) override {
     ctx.save_for_backward({in[0], in[1]});
-    ctx.values["scale"] = scale;
     seen_needs = ctx.needs_input_grad;
     return {ops::mul(ops::mul(in[0], in[1]), scale)};
   }
   std::vector<Tensor> backward(FunctionCtx& ctx, const std::vector<Tensor>& g) override {
     if (backward_calls) ++*backward_calls;
-    const double s = std::any_cast<double>(ctx.values.at("scale"));
+    const double s = scale;  // state of the Function itself
     const Tensor& y = ctx.saved_tensors()[1];
     CHECK_FALSE(requires_grad(ctx.saved_tensors()[0]));  // saved detached
     return {ops::mul(ops::mul(g[0], y), s), Tensor()};
@@ -292,7 +292,7 @@ struct Marker final : Function {
 
 }  // namespace
 
-TEST_CASE("engine: custom Function with saved tensors, ctx values and a missing gradient",
+TEST_CASE("engine: custom Function with saved tensors, its own state and a missing gradient",
           "[engine]") {
   Tensor x = leaf(Shape{3}, 11);
   Tensor y = leaf(Shape{3}, 12);

@@ -527,3 +527,53 @@ TEST_CASE("options structs: named fields, PyTorch's defaults, nn::make", "[modul
   const double expected = 2.0 * (1 - 1e-3 * 0.01) - 1e-3 * 0.5 / (0.5 + 1e-8);
   CHECK(p.item_double() == Approx(expected).epsilon(1e-6));
 }
+
+namespace {
+
+// y = x * w, through the differentiable op or (raw) the tensor layer's.
+struct Scale final : Module {
+  Tensor w;
+  bool raw;
+  explicit Scale(bool raw) : Module("Scale"), raw(raw) {
+    w = ops::full({3}, 2.0);
+    register_parameter("w", &w);
+  }
+  std::vector<Tensor> forward(Args& args) override {
+    const Tensor& x = args.positional[0];
+    return {raw ? ops::mul(x, w) : mul(x, w)};
+  }
+};
+
+// Calls a correct child, then drops the gradient with a raw op.
+struct DropsAfterChild final : Module {
+  std::shared_ptr<Scale> child;
+  DropsAfterChild() : Module("DropsAfterChild") {
+    child = register_module("child", std::make_shared<Scale>(false));
+  }
+  std::vector<Tensor> forward(Args& args) override {
+    return {ops::relu((*child)(args.positional[0]))};
+  }
+};
+
+}  // namespace
+
+TEST_CASE("Note [Dropped gradients]: a raw ops:: call in a forward is caught", "[module]") {
+  const bool before = check_dropped_gradients();
+  set_check_dropped_gradients(true);
+  const Tensor x = ops::ones({3});  // requires no grad: the parameter does
+  Scale raw(true), good(false);
+  CHECK_THROWS_WITH(raw(x), Catch::Contains("[nn::Scale] expected forward to return a tensor "
+                                            "that requires grad") &&
+                                Catch::Contains("ops::"));
+  CHECK(requires_grad(good(x)));
+  {
+    NoGradGuard no_grad;  // a deliberate stop is not checked
+    CHECK_NOTHROW(raw(x));
+  }
+  // The parent's own input and parameters need no grad: its child's output does.
+  DropsAfterChild parent;
+  CHECK_THROWS_WITH(parent(x), Catch::Contains("[nn::DropsAfterChild]"));
+  set_check_dropped_gradients(false);
+  CHECK_NOTHROW(raw(x));
+  set_check_dropped_gradients(before);
+}
