@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <set>
 
 using namespace tandem;
 
@@ -17,13 +18,13 @@ struct TinyMoE final : Module {
   std::shared_ptr<nn::TransformerBlock> block;
   std::shared_ptr<nn::Linear> head;
   explicit TinyMoE(Generator& gen) : Module("TinyMoE") {
-    tok = register_module(
-        "tok",
-        nn::make<nn::Embedding>({.num_embeddings = kVocab, .dim = kDim, .init_std = 0.02}, gen));
-    pos = register_module("pos", nn::make<nn::Embedding>(
-                                     {.num_embeddings = kSeq, .dim = kDim, .init_std = 0.02}, gen));
-    nn::TransformerBlockConfig c{.d_model = kDim, .n_heads = 4, .hidden = 64, .experts = 4};
-    block = register_module("block", std::make_shared<nn::TransformerBlock>(c, gen));
+    auto table = [&](int64_t rows) {
+      return nn::make<nn::Embedding>({.num_embeddings = rows, .dim = kDim, .init_std = 0.02}, gen);
+    };
+    tok = register_module("tok", table(kVocab));
+    pos = register_module("pos", table(kSeq));
+    nn::TransformerBlockConfig moe_block{.d_model = kDim, .n_heads = 4, .hidden = 64, .experts = 4};
+    block = register_module("block", nn::make<nn::TransformerBlock>(moe_block, gen));
     head = register_module(
         "head",
         nn::make<nn::Linear>({.in_features = kDim, .out_features = kVocab, .bias = false}, gen));
@@ -56,19 +57,15 @@ int main() {
     expert_parallel(model->block->moe(), mesh.slice("ep"));
 
     // Experts are replicated over (dp, cp); everything else over (dp, ep, cp).
-    std::vector<Tensor> expert_params, shared_params;
     auto moe = model->block->moe();
-    for (int64_t e = moe->first_local_expert();
-         e < moe->first_local_expert() + moe->num_local_experts(); ++e) {
+    std::set<float*> in_experts;
+    for (int64_t e = moe->first_local_expert(); moe->is_local_expert(e); ++e) {
       for (const Tensor& p : moe->expert(e)->parameters())
-        expert_params.push_back(p);
+        in_experts.insert(p.data_ptr<float>());
     }
-    for (const Tensor& p : model->parameters()) {
-      bool expert = false;
-      for (const Tensor& q : expert_params)
-        expert |= p.data_ptr<float>() == q.data_ptr<float>();
-      if (!expert) shared_params.push_back(p);
-    }
+    std::vector<Tensor> expert_params, shared_params;
+    for (const Tensor& p : model->parameters())
+      (in_experts.count(p.data_ptr<float>()) ? expert_params : shared_params).push_back(p);
     optim::AdamW opt(model->parameters(), {.lr = 1e-2});
 
     const int cp = 2, cp_rank = mesh.get_local_rank("cp");
