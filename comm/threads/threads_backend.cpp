@@ -587,9 +587,9 @@ class ThreadsProcessGroup final : public ProcessGroup {
   const std::string where_;  // where(), read by the peers' jobs (Post::where)
   std::unique_ptr<TaskQueue> queue_;
   std::shared_ptr<GroupAnchor> anchor_;  // Note [Threads group lifetime]
-  uint64_t next_round_ = 0;       // under the issue lock
-  uint64_t splits_made_ = 0;      // split() calls, serialized like the base's count
-  std::atomic<int> deferred_{0};  // launches queued on the comm thread, not yet posted
+  uint64_t next_round_ = 0;              // under the issue lock
+  uint64_t splits_made_ = 0;             // split() calls, serialized like the base's count
+  std::atomic<int> deferred_{0};         // launches queued on the comm thread, not yet posted
   // Rounds this rank posted that may not have retired yet, oldest first.
   // Weak: the posts hold the Works until their rounds retire, and a Work
   // held here would hold its output past the caller's use, enlarging the
