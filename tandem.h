@@ -51,11 +51,13 @@
 
 #include "parallel/checkpoint.h"
 #include "parallel/context_parallel.h"
+#include "parallel/data_parallel.h"
 #include "parallel/device_mesh.h"
 #include "parallel/dtensor.h"
 #include "parallel/dtensor_ops.h"
 #include "parallel/dual_pipe.h"
 #include "parallel/expert_parallel.h"
 #include "parallel/functional.h"
+#include "parallel/param_placement.h"
 #include "parallel/placement.h"
 #include "parallel/tensor_parallel.h"

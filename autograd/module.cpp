@@ -316,8 +316,10 @@ void Module::to(Device device) {
     bool rg = requires_grad(*t);
     Tensor moved = ops::to(detach(*t), device);
     if (moved.storage() == t->storage()) continue;
+    std::shared_ptr<const LeafAnnotation> annotation = leaf_annotation(*t);
     *t = moved;
     if (rg) set_requires_grad(*t, true);
+    if (annotation) set_leaf_annotation(*t, std::move(annotation));
   }
 }
 
@@ -328,8 +330,10 @@ void Module::to(DType dtype) {
   for (auto& [name, t] : all) {
     if (!is_floating(t->dtype()) || t->dtype() == dtype) continue;
     bool rg = requires_grad(*t);
+    std::shared_ptr<const LeafAnnotation> annotation = leaf_annotation(*t);
     *t = ops::to(detach(*t), dtype);
     if (rg) set_requires_grad(*t, true);
+    if (annotation) set_leaf_annotation(*t, std::move(annotation));
   }
 }
 

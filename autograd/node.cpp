@@ -1,5 +1,7 @@
 #include "autograd/node.h"
 
+#include <fmt/format.h>
+
 #include "runtime/error.h"
 #include "tensor/ops.h"
 
@@ -68,6 +70,22 @@ Tensor& set_requires_grad(Tensor& t, bool value) {
                dtype_name(t.dtype()));
   m.requires_grad = value;
   return t;
+}
+
+std::shared_ptr<const LeafAnnotation> leaf_annotation(const Tensor& t) {
+  AutogradMeta* m = autograd_meta(t);
+  return m ? m->annotation : nullptr;
+}
+
+void set_leaf_annotation(const Tensor& t, std::shared_ptr<const LeafAnnotation> annotation) {
+  AutogradMeta* m = autograd_meta(t);
+  TANDEM_CHECK(m != nullptr && m->requires_grad && m->grad_fn == nullptr,
+               "[autograd::set_leaf_annotation] expected a leaf that requires grad (a "
+               "parameter), got {}",
+               !t.defined()      ? "an undefined tensor"
+               : m && m->grad_fn ? fmt::format("the output of {}", m->grad_fn->name())
+                                 : std::string("a tensor that does not require grad"));
+  m->annotation = std::move(annotation);
 }
 
 Tensor requires_grad_(Tensor t, bool value) {

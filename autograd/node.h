@@ -38,6 +38,14 @@ class Node;
 
 using GradHook = std::function<Tensor(const Tensor&)>;
 
+// What a layer above autograd records about a leaf (parallel/ records how a
+// parameter is split over a mesh: Note [Parameter placements] in
+// parallel/param_placement.h). Opaque here; Module::to keeps it when it moves
+// a parameter.
+struct LeafAnnotation {
+  virtual ~LeafAnnotation() = default;
+};
+
 struct AutogradMeta final : AutogradMetaBase {
   bool requires_grad = false;
   Tensor grad;                                       // leaves (and retain_grad tensors)
@@ -45,6 +53,7 @@ struct AutogradMeta final : AutogradMetaBase {
   int output_nr = 0;                                 // which output of grad_fn this tensor is
   std::vector<std::pair<int, GradHook>> leaf_hooks;  // (handle id, hook)
   std::string name;                                  // optional, for messages
+  std::shared_ptr<const LeafAnnotation> annotation;  // leaves only
   std::mutex mu;                                     // guards grad against concurrent readers
 };
 
@@ -129,6 +138,11 @@ bool is_leaf(const Tensor& t);
 Tensor grad(const Tensor& t);  // undefined when none
 void set_grad(const Tensor& t, const Tensor& g);
 void zero_grad(const Tensor& t);  // drops the gradient
+// The LeafAnnotation of a leaf (null when none was set).
+std::shared_ptr<const LeafAnnotation> leaf_annotation(const Tensor& t);
+// Sets it on a leaf that requires grad (a parameter); every handle of that
+// leaf sees it.
+void set_leaf_annotation(const Tensor& t, std::shared_ptr<const LeafAnnotation> annotation);
 std::shared_ptr<Node> grad_fn(const Tensor& t);
 // The same data without autograd history.
 Tensor detach(const Tensor& t);

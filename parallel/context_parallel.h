@@ -37,16 +37,13 @@
 // Weight gradients: everything outside the core attention (the q/k/v/o
 // projections of nn::SelfAttention, norms, MLPs) sees only this rank's
 // tokens, so after backward its parameters' gradients are per-rank partial
-// sums. Sum them over the CP group before the optimizer step:
+// sums. Sum them over the CP group before the optimizer step
+// (parallel/data_parallel.h; with data parallelism as well, one call does
+// both, as tandem-train does):
 //
-//   for (auto& [name, p] : model->named_parameters()) {
-//     WorkPtr w = cp_mesh.get_group()->all_reduce(grad(p));  // RedOp::Sum
-//     w->wait();
-//     set_grad(p, w->result());
-//   }
+//   reduce_gradients(model->parameters(), mesh, {"dp", "cp"});
 //
-// (With data parallelism as well, one all-reduce over the flattened (dp, cp)
-// group does both, as tandem-train does.) Activation gradients (of the layer
+// Activation gradients (of the layer
 // input) are complete on every rank and need nothing.
 //
 // The hooks work on the local tensors that modules exchange; apply() must be

@@ -20,6 +20,7 @@ struct MeshState {
   Device device;
   std::mutex mu;
   std::map<std::vector<int>, ProcessGroupPtr> groups;  // by ordered root dims
+  std::vector<ProcessGroupPtr> created;                // the same, in creation order
   std::map<std::string, std::vector<int>> flattened;   // name -> root dims
 
   int64_t position(const std::vector<int64_t>& coord) const {
@@ -175,6 +176,22 @@ ProcessGroupPtr DeviceMesh::get_group() const {
   return group_for(dims_[0].root_dims);
 }
 
+ProcessGroupPtr DeviceMesh::group_over(const std::vector<std::string>& dims) const {
+  TANDEM_CHECK(!dims.empty(), "[parallel::DeviceMesh] expected at least one dim for a group");
+  std::vector<int> root_dims;
+  for (const Dim& d : resolve(dims))
+    root_dims.insert(root_dims.end(), d.root_dims.begin(), d.root_dims.end());
+  return group_for(root_dims);
+}
+
+std::vector<ProcessGroupPtr> DeviceMesh::all_groups() const {
+  TANDEM_CHECK(state_ != nullptr, "[parallel::DeviceMesh] expected a constructed mesh");
+  std::lock_guard<std::mutex> lock(state_->mu);
+  std::vector<ProcessGroupPtr> out{state_->world};
+  out.insert(out.end(), state_->created.begin(), state_->created.end());
+  return out;
+}
+
 std::vector<DeviceMesh::Dim> DeviceMesh::resolve(const std::vector<std::string>& names) const {
   std::vector<Dim> out;
   std::set<int> used;
@@ -288,8 +305,8 @@ ProcessGroupPtr DeviceMesh::group_for(const std::vector<int>& root_dims) const {
   }
   TANDEM_INTERNAL_ASSERT(mine != nullptr, "this rank is in no slice of its own mesh");
   std::lock_guard<std::mutex> lock(s.mu);
-  s.groups[root_dims] = mine;
-  return mine;
+  if (s.groups.emplace(root_dims, mine).second) s.created.push_back(mine);
+  return s.groups[root_dims];
 }
 
 int DeviceMesh::rank_at(const std::vector<int64_t>& coordinate) const {

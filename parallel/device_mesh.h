@@ -50,6 +50,14 @@ class DeviceMesh {
   ProcessGroupPtr get_group(const std::string& dim) const;
   ProcessGroupPtr get_group(int dim) const;
   ProcessGroupPtr get_group() const;
+  // The group spanning the named dims together (created on first ask, Note
+  // [Mesh groups]); no dims: a group of this rank alone is not a thing, so
+  // at least one.
+  ProcessGroupPtr group_over(const std::vector<std::string>& dims) const;
+  // The root world group and every group created so far from this mesh's
+  // root, in creation order: what a failing rank aborts so that its peers
+  // stop waiting (DualPipe::abort_on_failure).
+  std::vector<ProcessGroupPtr> all_groups() const;
 
   // The sub-mesh through this rank spanning the named dims, in the order
   // given (non-adjacent dims allowed).

@@ -147,6 +147,14 @@ DualPipeSchedule::DualPipeSchedule(std::shared_ptr<HookCoordinator> coordinator,
   TANDEM_CHECK(coordinator_ != nullptr, "[parallel::DualPipeSchedule] expected a coordinator");
 }
 
+void DualPipeSchedule::abort_on_failure(std::vector<ProcessGroupPtr> groups) {
+  abort_groups_ = [groups = std::move(groups)] { return groups; };
+}
+
+void DualPipeSchedule::abort_on_failure(const DeviceMesh& mesh) {
+  abort_groups_ = [mesh] { return mesh.all_groups(); };
+}
+
 DualPipeResult DualPipeSchedule::run(int n, const std::function<Tensor(int)>& forward, bool overlap,
                                      int moe_layers) {
   TANDEM_CHECK(n >= 1, "[parallel::DualPipeSchedule] expected at least one micro-batch, got {}", n);
@@ -181,7 +189,8 @@ DualPipeResult DualPipeSchedule::run(int n, const std::function<Tensor(int)>& fo
   };
   auto on_failure = [this] {
     coordinator_->disable();
-    for (const ProcessGroupPtr& g : abort_groups_) {
+    if (!abort_groups_) return;
+    for (const ProcessGroupPtr& g : abort_groups_()) {
       g->abort("a side of its dual-pipe schedule failed (that rank's error has the cause)");
     }
   };
@@ -202,6 +211,17 @@ DualPipeResult DualPipeSchedule::run(int n, const std::function<Tensor(int)>& fo
   for (int i = 0; i < n; ++i)
     result.losses[i] = losses[i].item_double();
   return result;
+}
+
+DualPipe::DualPipe(const std::shared_ptr<Module>& model, const DeviceMesh& ep_mesh, Device device,
+                   HookCoordinatorOptions options)
+    : coordinator_(std::make_shared<HookCoordinator>(options)),
+      moe_layers_(install_dual_pipe(model, ep_mesh, coordinator_)),
+      schedule_(coordinator_, device) {}
+
+DualPipeResult DualPipe::run(int micro_batches, const std::function<Tensor(int)>& forward,
+                             bool overlap) {
+  return schedule_.run(micro_batches, forward, overlap, moe_layers_);
 }
 
 }  // namespace tandem

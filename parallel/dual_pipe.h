@@ -78,12 +78,42 @@ class DualPipeSchedule {
   // Groups aborted (ProcessGroup::abort) when either side fails, so that the
   // other ranks stop at once with an error naming this rank instead of
   // running on with a schedule that can no longer match theirs.
-  void abort_on_failure(std::vector<ProcessGroupPtr> groups) { abort_groups_ = std::move(groups); }
+  void abort_on_failure(std::vector<ProcessGroupPtr> groups);
+  // Every group of `mesh`'s root (DeviceMesh::all_groups), read when a side
+  // fails, so that groups created after this call are aborted too.
+  void abort_on_failure(const DeviceMesh& mesh);
 
  private:
   std::shared_ptr<HookCoordinator> coordinator_;
-  std::vector<ProcessGroupPtr> abort_groups_;
+  std::function<std::vector<ProcessGroupPtr>()> abort_groups_;
   WorkerPair pair_;
+};
+
+// The dual-pipe overlap of one model as one object: it owns the
+// HookCoordinator, makes every nn::MoE of the model expert-parallel over
+// `ep_mesh` with the sync hooks (install_dual_pipe), and runs the schedule
+// with the static pairing check of the model's MoE layer count.
+//
+//   DualPipe pipe(model, mesh.slice("ep"), device);
+//   pipe.abort_on_failure(mesh);
+//   DualPipeResult r = pipe.run(micro_batches, forward);
+class DualPipe {
+ public:
+  DualPipe(const std::shared_ptr<Module>& model, const DeviceMesh& ep_mesh,
+           Device device = Device::cpu(), HookCoordinatorOptions options = {});
+
+  // DualPipeSchedule::run with this model's MoE layer count.
+  DualPipeResult run(int micro_batches, const std::function<Tensor(int)>& forward,
+                     bool overlap = true);
+  void abort_on_failure(const DeviceMesh& mesh) { schedule_.abort_on_failure(mesh); }
+
+  int moe_layers() const { return moe_layers_; }
+  const std::shared_ptr<HookCoordinator>& coordinator() const { return coordinator_; }
+
+ private:
+  std::shared_ptr<HookCoordinator> coordinator_;
+  int moe_layers_ = 0;
+  DualPipeSchedule schedule_;
 };
 
 }  // namespace tandem

@@ -6,6 +6,7 @@
 
 #include "autograd/function.h"
 #include "autograd/ops.h"
+#include "parallel/param_placement.h"
 #include "runtime/error.h"
 
 namespace tandem {
@@ -245,6 +246,12 @@ void ExpertParallel::apply(Module& module, const DeviceMesh& mesh) const {
                moe->dispatcher() ? " and a dispatcher already installed" : "");
   const int64_t per_rank = experts / ep;
   moe->keep_experts(group->rank() * per_rank, per_rank);
+  // Note [Parameter placements]: each kept expert lives on this ep rank only.
+  const std::string ep_dim = mesh.ndim() == 1 ? mesh.dim_names()[0] : "ep";
+  for (int64_t e = 0; e < per_rank; ++e) {
+    for (const Tensor& p : moe->expert(moe->first_local_expert() + e)->parameters())
+      record_owned(p, ep_dim);
+  }
   moe->set_dispatcher(std::make_shared<ExpertParallelDispatcher>(group, per_rank, hooks, layer));
 }
 

@@ -3,6 +3,7 @@
 #include "autograd/nn/linear.h"
 #include "autograd/ops.h"
 #include "parallel/dtensor_ops.h"
+#include "parallel/param_placement.h"
 #include "runtime/error.h"
 
 namespace tandem {
@@ -49,6 +50,15 @@ Placement normalised(Placement p, int ndim) {
   return p;
 }
 
+// Installs this rank's chunk of the parameter along `dim` and records its
+// placement (Note [Parameter placements]).
+void shard_parameter(nn::Linear& linear, const std::string& name, const DeviceMesh& mesh,
+                     int64_t dim) {
+  const Tensor whole = name == "weight" ? linear.weight() : linear.bias();
+  linear.set_parameter(name, DTensor::distribute(whole, mesh, {Shard(dim)}).to_local());
+  record_shard(name == "weight" ? linear.weight() : linear.bias(), mesh, dim, whole.shape());
+}
+
 }  // namespace
 
 void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
@@ -56,10 +66,8 @@ void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
   nn::Linear& linear = as_linear(module, "ColwiseParallel");
   // Fewer features than ranks is fine: the last ranks hold empty shards
   // (chunk semantics) and produce empty outputs.
-  linear.set_parameter("weight", DTensor::distribute(linear.weight(), mesh, {Shard(0)}).to_local());
-  if (linear.bias().defined()) {
-    linear.set_parameter("bias", DTensor::distribute(linear.bias(), mesh, {Shard(0)}).to_local());
-  }
+  shard_parameter(linear, "weight", mesh, 0);
+  if (linear.bias().defined()) shard_parameter(linear, "bias", mesh, 0);
   Placement in = input_layout, out_layout = output_layout;
   module.register_forward_pre_hook([mesh, in](Module&, const Args& args) -> std::optional<Args> {
     Args a = args;
@@ -82,7 +90,7 @@ void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
 void RowwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
   check_1d(mesh, "RowwiseParallel");
   nn::Linear& linear = as_linear(module, "RowwiseParallel");
-  linear.set_parameter("weight", DTensor::distribute(linear.weight(), mesh, {Shard(1)}).to_local());
+  shard_parameter(linear, "weight", mesh, 1);
   linear.set_bias_deferred(true);
   Placement in = input_layout, out_layout = output_layout;
   module.register_forward_pre_hook([mesh, in](Module&, const Args& args) -> std::optional<Args> {

@@ -7,7 +7,6 @@
 
 #include <atomic>
 #include <cstdio>
-#include <set>
 
 using namespace tandem;
 
@@ -37,16 +36,6 @@ struct TinyMoE final : Module {
   }
 };
 
-// Sums each gradient over `group` and divides by its size (an expert that saw
-// no token on this rank has no gradient: it counts as zeros).
-void average_gradients(const std::vector<Tensor>& params, const ProcessGroupPtr& group) {
-  for (const Tensor& p : params) {
-    WorkPtr w = group->all_reduce(grad(p).defined() ? grad(p) : ops::zeros_like(p));
-    w->wait();
-    set_grad(p, ops::div(w->result(), static_cast<double>(group->size())));
-  }
-}
-
 int main() {
   std::atomic<double> first{0}, last{0};
   run_ranks(8, [&](ProcessGroupPtr world) {
@@ -56,16 +45,6 @@ int main() {
     ContextParallel{}.apply(model->block->attn()->core(), mesh.slice("cp"));
     expert_parallel(model->block->moe(), mesh.slice("ep"));
 
-    // Experts are replicated over (dp, cp); everything else over (dp, ep, cp).
-    auto moe = model->block->moe();
-    std::set<float*> in_experts;
-    for (int64_t e = moe->first_local_expert(); moe->is_local_expert(e); ++e) {
-      for (const Tensor& p : moe->expert(e)->parameters())
-        in_experts.insert(p.data_ptr<float>());
-    }
-    std::vector<Tensor> expert_params, shared_params;
-    for (const Tensor& p : model->parameters())
-      (in_experts.count(p.data_ptr<float>()) ? expert_params : shared_params).push_back(p);
     optim::AdamW opt(model->parameters(), {.lr = 1e-2});
 
     const int cp = 2, cp_rank = mesh.get_local_rank("cp");
@@ -83,8 +62,8 @@ int main() {
       Tensor ce = cross_entropy(reshape(out[0], {-1, kVocab}), reshape(targets, {-1}));
       model->zero_grad();
       backward(add(ce, mul(out[1], 0.01)));
-      average_gradients(shared_params, mesh.slice({"dp", "ep", "cp"}).flatten("data").get_group());
-      average_gradients(expert_params, mesh.slice({"dp", "cp"}).flatten("expert_data").get_group());
+      // The mean over the replicas: experts over (dp, cp), the rest over all three.
+      reduce_gradients(model->parameters(), mesh, {"dp", "ep", "cp"}, RedOp::Avg);
       opt.step();
       if (world->rank() == 0 && (step == 0 || step == kSteps - 1)) {
         (step == 0 ? first : last) = ce.item_double();

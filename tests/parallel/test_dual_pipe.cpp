@@ -51,13 +51,11 @@ Run train_step(ProcessGroupPtr pg, int layers, bool overlap, int micro_batches,
   // With recompute the backward starts by re-running the whole forward (its
   // hooks are no-ops); the forward gate parks the forward thread meanwhile, so
   // the re-run's collectives never interleave with the forward's.
-  auto coordinator = std::make_shared<HookCoordinator>(
-      HookCoordinatorOptions{std::chrono::milliseconds(20000), recompute});
   Generator init(3);
   auto model = std::make_shared<nn::TransformerLM>(moe_config(layers, 4), init);
-  int moe_layers = install_dual_pipe(model, mesh, coordinator);
-  DualPipeSchedule schedule(coordinator);
-  schedule.abort_on_failure({mesh.get_group()});
+  DualPipe pipe(model, mesh, Device::cpu(),
+                HookCoordinatorOptions{std::chrono::milliseconds(20000), recompute});
+  pipe.abort_on_failure(mesh);
   auto forward = [&](int i) {
     if (inject) inject(i, false);
     auto [x, y] = batch(pg->rank(), i, 8);
@@ -78,7 +76,7 @@ Run train_step(ProcessGroupPtr pg, int layers, bool overlap, int micro_batches,
     return loss;
   };
   Run r;
-  r.losses = schedule.run(micro_batches, forward, overlap, moe_layers).losses;
+  r.losses = pipe.run(micro_batches, forward, overlap).losses;
   for (auto& [name, p] : model->named_parameters())
     r.grads.push_back(grad(p));
   r.ledger = mesh.get_group()->ledger().history_fingerprint();

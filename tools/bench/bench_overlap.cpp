@@ -168,18 +168,15 @@ Phases phases_of(const StepMarks& m) {
 }
 
 // One rank's copy of the model, expert-parallel over `world` behind a
-// simulated link, with its coordinator and schedule.
+// simulated link, with its dual-pipe schedule.
 class RankModel {
  public:
   RankModel(const Setup& setup, const ProcessGroupPtr& world, const LinkModel& link)
       : setup_(setup),
         mesh_(simulate_link(world, link), {world->size()}, {"ep"}),
-        coordinator_(std::make_shared<HookCoordinator>()),
-        schedule_(coordinator_) {
-    Generator init(3);  // the same weights on every rank and in every copy
-    model_ = std::make_shared<nn::TransformerLM>(setup.model, init);
-    moe_layers_ = install_dual_pipe(model_, mesh_, coordinator_);
-    schedule_.abort_on_failure({mesh_.get_group()});
+        model_(make_model(setup)),
+        pipe_(model_, mesh_) {
+    pipe_.abort_on_failure(mesh_);
     for (int i = 0; i < setup.micro_batches; ++i) {
       Generator g(1000 + 31 * world->rank() + i);
       Tensor t = ops::to(ops::mul(ops::rand({setup.batch, setup.seq + 1}, g),
@@ -190,7 +187,7 @@ class RankModel {
     }
   }
 
-  int moe_layers() const { return moe_layers_; }
+  int moe_layers() const { return pipe_.moe_layers(); }
 
   // One training step of n micro-batches; the gradients are dropped after it
   // so that every step does the same work.
@@ -213,19 +210,22 @@ class RankModel {
       return loss;
     };
     m.start = Clock::now();
-    m.losses = schedule_.run(n, forward, overlap, moe_layers_).losses;
+    m.losses = pipe_.run(n, forward, overlap).losses;
     m.end = Clock::now();
     model_->zero_grad();
     return m;
   }
 
  private:
+  static std::shared_ptr<nn::TransformerLM> make_model(const Setup& setup) {
+    Generator init(3);  // the same weights on every rank and in every copy
+    return std::make_shared<nn::TransformerLM>(setup.model, init);
+  }
+
   Setup setup_;
   DeviceMesh mesh_;
-  std::shared_ptr<HookCoordinator> coordinator_;
   std::shared_ptr<nn::TransformerLM> model_;
-  int moe_layers_ = 0;
-  DualPipeSchedule schedule_;
+  DualPipe pipe_;
   std::vector<std::pair<Tensor, Tensor>> batches_;
 };
 

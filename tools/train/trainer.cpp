@@ -20,14 +20,15 @@
 #include "comm/work.h"
 #include "parallel/checkpoint.h"
 #include "parallel/context_parallel.h"
+#include "parallel/data_parallel.h"
 #include "parallel/device_mesh.h"
 #include "parallel/dual_pipe.h"
+#include "parallel/param_placement.h"
 #include "parallel/placement.h"
 #include "parallel/tensor_parallel.h"
 #include "runtime/allocator.h"
 #include "runtime/config.h"
 #include "runtime/error.h"
-#include "runtime/hook_coordinator.h"
 #include "runtime/trace.h"
 #include "tensor/safetensors.h"
 #include "tools/train/progress.h"
@@ -50,15 +51,6 @@ ModelConfig model_config(const TrainOptions& o, const Task& task) {
   return m;
 }
 
-// One parameter of this rank with what the layout says about it.
-struct Param {
-  std::string name;
-  Tensor tensor;        // the local piece
-  Shape global_shape;   // of the whole parameter
-  int shard_dim = -1;   // >= 0: sharded over tp along this dim
-  bool expert = false;  // owned by one ep rank
-};
-
 // Everything one rank builds once.
 struct Rank {
   const TrainOptions& options;
@@ -66,15 +58,11 @@ struct Rank {
   ProcessGroupPtr world;
   Device device = Device::cpu();
   DeviceMesh mesh;
-  int dp_rank = 0, ep_rank = 0, cp_rank = 0, tp_rank = 0;
-  ProcessGroupPtr data_group;    // ("dp","ep","cp"): dense gradient sums, metrics
-  ProcessGroupPtr expert_group;  // ("dp","cp"): expert gradient sums
-  ProcessGroupPtr model_group;   // ("ep","tp"): the gradient norm
+  int dp_rank = 0, ep_rank = 0, cp_rank = 0;
   std::shared_ptr<MoELanguageModel> model;
-  std::shared_ptr<HookCoordinator> coordinator;
-  std::unique_ptr<DualPipeSchedule> schedule;
-  int moe_layers = 0;
-  std::vector<Param> params;
+  std::unique_ptr<DualPipe> pipe;
+  optim::NamedParams params;    // this rank's pieces, placed (Note [Parameter placements])
+  std::vector<Tensor> tensors;  // the same, without names
   std::unique_ptr<optim::AdamW> optimizer;
 
   Rank(const TrainOptions& o, const Task& t, ProcessGroupPtr w)
@@ -104,18 +92,11 @@ void build(Rank& r) {
   r.dp_rank = r.mesh.get_local_rank("dp");
   r.ep_rank = r.mesh.get_local_rank("ep");
   r.cp_rank = r.mesh.get_local_rank("cp");
-  r.tp_rank = r.mesh.get_local_rank("tp");
-  r.data_group = r.mesh.slice({"dp", "ep", "cp"}).flatten("data").get_group();
-  r.expert_group = r.mesh.slice({"dp", "cp"}).flatten("expert_data").get_group();
-  r.model_group = r.mesh.slice({"ep", "tp"}).flatten("model").get_group();
 
   // The same initial weights on every rank; the styles then keep each rank's part.
   Generator init(o.seed);
   r.model = std::make_shared<MoELanguageModel>(model_config(o, r.task), init);
   if (!r.device.is_cpu()) r.model->to(r.device);
-  std::map<std::string, Shape> global;
-  for (auto& [name, p] : r.model->named_parameters())
-    global[name] = p.shape();
 
   if (o.tp > 1) {
     ParallelizePlan plan;
@@ -139,83 +120,21 @@ void build(Rank& r) {
     for (int64_t i = 0; i < r.model->config().layers; ++i)
       cp.apply(r.model->block(i)->attn()->core(), cp_mesh);
   }
-  r.coordinator = std::make_shared<HookCoordinator>();
-  r.moe_layers = install_dual_pipe(r.model, r.mesh.slice("ep"), r.coordinator);
-  r.schedule = std::make_unique<DualPipeSchedule>(r.coordinator, r.device);
+  r.pipe = std::make_unique<DualPipe>(r.model, r.mesh.slice("ep"), r.device);
   // A failure on either worker aborts every group this rank's peers may be
   // waiting in, so they stop at once with an error naming this rank.
-  r.schedule->abort_on_failure({r.world, r.mesh.get_group("dp"), r.mesh.get_group("ep"),
-                                r.mesh.get_group("cp"), r.mesh.get_group("tp"), r.data_group,
-                                r.expert_group, r.model_group});
+  r.pipe->abort_on_failure(r.mesh);
 
-  optim::NamedParams named;
-  for (auto& [name, p] : r.model->named_parameters()) {
-    Param param{name, p, global.at(name)};
-    for (int d = 0; d < p.dim(); ++d) {
-      if (p.shape()[d] != param.global_shape[d]) param.shard_dim = d;
-    }
-    param.expert = name.find(".experts.") != std::string::npos;
-    r.params.push_back(param);
-    named.emplace_back(name, p);
-  }
+  r.params = r.model->named_parameters();
+  for (const auto& [name, p] : r.params)
+    r.tensors.push_back(p);
   r.optimizer = std::make_unique<optim::AdamW>(
-      named,
+      r.params,
       optim::AdamWOptions{
           .lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = o.weight_decay});
 }
 
 // ---- one step ----
-
-// Sums the gradients of `params` over `group` in one flat buffer; a missing
-// gradient counts as zeros (Note [Training layout]).
-void sum_gradients(const std::vector<Param*>& params, const ProcessGroupPtr& group) {
-  if (params.empty()) return;
-  std::vector<Tensor> flat;
-  for (Param* p : params) {
-    Tensor g = grad(p->tensor);
-    flat.push_back(ops::reshape(g.defined() ? g : ops::zeros_like(p->tensor), Shape{-1}));
-  }
-  Tensor bucket = ops::cat(flat, 0);
-  if (group->size() > 1) {
-    WorkPtr w = group->all_reduce(bucket, {RedOp::Sum, "gradients"});
-    w->wait();
-    bucket = w->result();
-  }
-  int64_t offset = 0;
-  for (Param* p : params) {
-    const int64_t n = p->tensor.numel();
-    set_grad(p->tensor,
-             ops::contiguous(ops::reshape(ops::narrow(bucket, 0, offset, n), p->tensor.shape())));
-    offset += n;
-  }
-}
-
-// Global gradient norm (Note [Training layout]), then clipping.
-double clip_gradients(Rank& r) {
-  const int ep = r.options.ep, tp = r.options.tp;
-  // One host read for all parameters (a sync per parameter on a GPU otherwise).
-  Tensor sum_sq = ops::zeros({}, DType::F64, r.device);
-  for (Param& p : r.params) {
-    Tensor g = ops::to(grad(p.tensor), DType::F64);
-    const int copies = (p.expert ? 1 : ep) * (p.shard_dim >= 0 ? 1 : tp);
-    sum_sq = ops::add(sum_sq, ops::div(ops::sum(ops::mul(g, g)), static_cast<double>(copies)));
-  }
-  const double local = sum_sq.item_double();
-  double total = local;
-  if (r.model_group->size() > 1) {
-    WorkPtr w =
-        r.model_group->all_reduce(ops::scalar_tensor(local, DType::F64), {RedOp::Sum, "grad norm"});
-    w->wait();
-    total = w->result().item_double();
-  }
-  const double norm = std::sqrt(total);
-  if (r.options.clip > 0 && norm > r.options.clip) {
-    const double scale = r.options.clip / (norm + 1e-6);
-    for (Param& p : r.params)
-      set_grad(p.tensor, ops::mul(grad(p.tensor), scale));
-  }
-  return norm;
-}
 
 // The resident set of this process (/proc/self/statm), 0 where unavailable.
 int64_t resident_set_bytes() {
@@ -313,15 +232,13 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
     }
     return loss;
   };
-  r.schedule->run(o.micro_batches, forward, o.overlap, r.moe_layers);
+  r.pipe->run(o.micro_batches, forward, o.overlap);
   maybe_fault(r, fault, step, "step-end");
 
-  std::vector<Param*> dense, experts;
-  for (Param& p : r.params)
-    (p.expert ? experts : dense).push_back(&p);
-  sum_gradients(dense, r.data_group);
-  sum_gradients(experts, r.expert_group);
-  const double norm = clip_gradients(r);
+  // Note [Training layout]: summed over the data ranks each parameter is
+  // replicated over (experts: not over ep), then clipped by the global norm.
+  reduce_gradients(r.tensors, r.mesh, {"dp", "ep", "cp"});
+  const double norm = clip_grad_norm(r.tensors, r.mesh, o.clip);
   r.optimizer->step();
   r.optimizer->zero_grad();
 
@@ -331,14 +248,8 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
     total.correct += s.correct;
     total.scored += s.scored;
   }
-  Tensor metrics =
-      ops::from_vector(std::vector<double>{total.ce_sum, total.correct, total.scored}, Shape{3});
-  if (r.data_group->size() > 1) {
-    WorkPtr w = r.data_group->all_reduce(metrics, {RedOp::Sum, "metrics"});
-    w->wait();
-    metrics = w->result();
-  }
-  std::vector<double> m = metrics.to_vector<double>();
+  const std::vector<double> m =
+      sum_over(r.mesh, {"dp", "ep", "cp"}, {total.ce_sum, total.correct, total.scored});
   StepStats s;
   s.step = step;
   s.loss = m[0] / std::max(m[2], 1.0);
@@ -364,28 +275,15 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
 // layout and atomicity] in parallel/checkpoint.h): a piece is written by the
 // rank whose coordinates are 0 on every dim that holds a copy of it.
 std::vector<TensorPiece> state_pieces(Rank& r, std::map<std::string, Tensor>& optimizer_state) {
-  const TrainOptions& o = r.options;
   std::vector<TensorPiece> pieces;
-  auto add = [&](const std::string& name, const Tensor& local, const Param& p) {
-    TensorPiece piece{name, local, p.global_shape,
-                      std::vector<int64_t>(static_cast<size_t>(local.dim()), 0)};
-    if (local.dim() != p.global_shape.size()) piece.global_shape = local.shape();  // step counts
-    if (p.shard_dim >= 0 && local.dim() == p.global_shape.size()) {
-      piece.offsets[p.shard_dim] = chunk_range(p.global_shape[p.shard_dim], o.tp, r.tp_rank).first;
-    }
-    const bool tp_copy = p.shard_dim < 0 && r.tp_rank != 0;
-    const bool ep_copy = !p.expert && r.ep_rank != 0;
-    piece.write = r.dp_rank == 0 && r.cp_rank == 0 && !tp_copy && !ep_copy;
-    pieces.push_back(piece);
-  };
-  for (Param& p : r.params)
-    add("model." + p.name, p.tensor, p);
-  for (Param& p : r.params) {
+  for (const auto& [name, p] : r.params)
+    pieces.push_back(placed_piece("model." + name, p, p, r.mesh));
+  for (const auto& [name, p] : r.params) {
     for (const char* buffer : {"exp_avg", "exp_avg_sq", "step"}) {
-      const std::string key = p.name + "." + buffer;
+      const std::string key = name + "." + buffer;
       auto it = optimizer_state.find(key);
       TANDEM_INTERNAL_ASSERT(it != optimizer_state.end(), "optimizer state {} missing", key);
-      add("optim." + key, it->second, p);
+      pieces.push_back(placed_piece("optim." + key, it->second, p, r.mesh));
     }
   }
   return pieces;

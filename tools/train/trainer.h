@@ -22,16 +22,14 @@
 // the number of micro-batches. Summed over the dp·ep·cp ranks this is the
 // mean loss of the global batch, whichever rank holds which token — a rank
 // of a context-parallel group may hold no scored token at all. Gradients are
-// therefore summed, not averaged: dense parameters over ("dp","ep","cp"),
-// expert parameters (owned by one ep rank) over ("dp","cp"). Parameters
-// without a gradient this step (an expert that got no token) contribute
-// zeros, so every rank launches the same reductions and every parameter's
-// optimizer state advances on every step.
-//
-// Gradient clipping needs the global norm: each rank adds the squared norm
-// of each of its parameters divided by the number of ranks of its ("ep",
-// "tp") group holding the same tensor (1 for shards), and one all-reduce over
-// that group sums the exact global norm.
+// therefore summed, not averaged, over the data dims ("dp","ep","cp") each
+// parameter is replicated over: expert parameters (owned by one ep rank) over
+// ("dp","cp") only. Parameters without a gradient this step (an expert that
+// got no token) contribute zeros, so every rank launches the same reductions
+// and every parameter's optimizer state advances on every step. Clipping uses
+// the global norm, each element of the whole model counted once. Both read
+// the placements the styles recorded (reduce_gradients and clip_grad_norm,
+// parallel/data_parallel.h; Note [Parameter placements]).
 #pragma once
 
 #include <cstdint>
