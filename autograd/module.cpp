@@ -193,8 +193,11 @@ std::vector<Tensor> Module::call(Args args) {
 
 Tensor Module::operator()(const Tensor& x) {
   std::vector<Tensor> out = call(Args{x});
-  TANDEM_CHECK(!out.empty(), "[nn::{}] expected forward to return at least one tensor, got none",
-               type_name_);
+  TANDEM_CHECK(out.size() == 1,
+               "[nn::{}] expected one output from (*module)(x), got {} (Note [Module outputs]: "
+               "call() gives them all{})",
+               type_name_, out.size(),
+               out.size() == 2 ? "; nn::call_with_aux names an output and an aux loss" : "");
   return out[0];
 }
 

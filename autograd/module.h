@@ -80,8 +80,19 @@ class Module : public std::enable_shared_from_this<Module> {
   Module& operator=(const Module&) = delete;
 
   // Runs hooks and forward.
+  //
+  // Note [Module outputs]
+  // ~~~~~~~~~~~~~~~~~~~~~
+  // call() returns a module's outputs as a vector: the form hooks see and
+  // may replace, whatever the module. Model code reads them by name instead:
+  // a module with one output is called as (*m)(x) and gives a Tensor (an
+  // error when forward returned several, so that an auxiliary output is
+  // never dropped unseen); a module with several has a struct naming them,
+  // made from call()'s vector by a function that checks the count
+  // (nn::AuxOutput and nn::call_with_aux for the layers that add a
+  // load-balancing loss).
   std::vector<Tensor> call(Args args);
-  // One tensor in, first output out.
+  // One tensor in, the module's single output out.
   Tensor operator()(const Tensor& x);
 
   const std::string& type_name() const { return type_name_; }

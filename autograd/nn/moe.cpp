@@ -194,4 +194,12 @@ std::vector<Tensor> MoE::forward(Args& args) {
   return {reshape(y, x.shape()), load_balancing_loss(routing.probs, plan)};
 }
 
+AuxOutput call_with_aux(Module& module, Args args) {
+  std::vector<Tensor> out = module.call(std::move(args));
+  TANDEM_CHECK(out.size() == 1 || out.size() == 2,
+               "[nn::{}] expected outputs {{out}} or {{out, aux_loss}}, got {} tensors",
+               module.type_name(), out.size());
+  return {out[0], out.size() == 2 ? out[1] : Tensor()};
+}
+
 }  // namespace tandem::nn

@@ -32,6 +32,14 @@
 
 namespace tandem::nn {
 
+// The outputs of a layer that adds an auxiliary loss: nn::MoE, a
+// TransformerBlock with an MoE layer, a TransformerLM or any model with MoE
+// blocks (Note [Module outputs] in autograd/module.h).
+struct AuxOutput {
+  Tensor out;       // the layer's output
+  Tensor aux_loss;  // scalar load-balancing loss; undefined when the module has none
+};
+
 // The router's decision for T tokens over E experts.
 struct MoERouting {
   Tensor probs;    // (T, E) softmax of the router logits
@@ -142,5 +150,9 @@ class MoE final : public Module {
   int64_t first_local_ = 0;
   std::shared_ptr<MoEDispatcher> dispatcher_;
 };
+
+// Calls `module` and names its outputs: {out} or {out, aux_loss}; throws
+// naming the module when forward returned another count.
+AuxOutput call_with_aux(Module& module, Args args);
 
 }  // namespace tandem::nn

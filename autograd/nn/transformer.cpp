@@ -35,11 +35,10 @@ std::vector<Tensor> TransformerBlock::forward(Args& args) {
   Tensor h = add(x, (*attn_)((*norm1_)(x)));
   Tensor normed = (*norm2_)(h);
   if (moe_) {
-    std::vector<Tensor> out = moe_->call(Args{normed});
-    TANDEM_CHECK(out.size() == 2,
-                 "[nn::TransformerBlock] expected MoE outputs {{y, aux_loss}}, got {} tensors",
-                 out.size());
-    return {add(h, out[0]), out[1]};
+    auto [y, aux_loss] = call_with_aux(*moe_, Args{normed});
+    TANDEM_CHECK(aux_loss.defined(),
+                 "[nn::TransformerBlock] expected MoE outputs {{y, aux_loss}}, got y alone");
+    return {add(h, y), aux_loss};
   }
   return {add(h, (*mlp_)(normed))};
 }
@@ -94,9 +93,9 @@ std::vector<Tensor> TransformerLM::forward(Args& args) {
   Tensor x = add((*tok_emb_)(tokens), (*pos_emb_)(positions));  // (B, S, D) + (S, D)
   Tensor aux;
   for (size_t i = 0; i < blocks_->size(); ++i) {
-    std::vector<Tensor> out = (*blocks_)[i]->call(Args{x});
-    x = out[0];
-    if (out.size() > 1) aux = aux.defined() ? add(aux, out[1]) : out[1];
+    AuxOutput out = call_with_aux(*(*blocks_)[i], Args{x});
+    x = out.out;
+    if (out.aux_loss.defined()) aux = aux.defined() ? add(aux, out.aux_loss) : out.aux_loss;
   }
   Tensor logits = (*lm_head_)((*norm_f_)(x));
   if (aux.defined()) return {logits, aux};

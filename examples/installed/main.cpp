@@ -31,8 +31,8 @@ struct TinyMoE final : Module {
   // tokens (B, S_local) and their global positions (S_local) → {logits, MoE aux loss}.
   std::vector<Tensor> forward(Args& args) override {
     Tensor x = add((*tok)(args.positional[0]), (*pos)(args.positional[1]));
-    std::vector<Tensor> out = block->call(Args{x});
-    return {(*head)(out[0]), out[1]};
+    auto [y, aux_loss] = nn::call_with_aux(*block, Args{x});
+    return {(*head)(y), aux_loss};
   }
 };
 
@@ -58,10 +58,10 @@ int main() {
       tokens = shard_sequence(tokens, 1, cp, cp_rank, false);
       targets = shard_sequence(targets, 1, cp, cp_rank, false);
 
-      std::vector<Tensor> out = (*model).call(Args{tokens, positions});
-      Tensor ce = cross_entropy(reshape(out[0], {-1, kVocab}), reshape(targets, {-1}));
+      auto [logits, aux_loss] = nn::call_with_aux(*model, Args{tokens, positions});
+      Tensor ce = cross_entropy(reshape(logits, {-1, kVocab}), reshape(targets, {-1}));
       model->zero_grad();
-      backward(add(ce, mul(out[1], 0.01)));
+      backward(add(ce, mul(aux_loss, 0.01)));
       // The mean over the replicas: experts over (dp, cp), the rest over all three.
       reduce_gradients(model->parameters(), mesh, {"dp", "ep", "cp"}, RedOp::Avg);
       opt.step();

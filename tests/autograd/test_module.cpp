@@ -14,6 +14,7 @@
 #include "autograd/nn/attention.h"
 #include "autograd/nn/dropout.h"
 #include "autograd/nn/linear.h"
+#include "autograd/nn/moe.h"
 #include "autograd/nn/norm.h"
 #include "autograd/ops.h"
 #include "autograd/optim.h"
@@ -576,4 +577,43 @@ TEST_CASE("Note [Dropped gradients]: a raw ops:: call in a forward is caught", "
   set_check_dropped_gradients(false);
   CHECK_NOTHROW(raw(x));
   set_check_dropped_gradients(before);
+}
+
+namespace {
+
+// Returns its input `count` times.
+struct Repeats final : Module {
+  int count;
+  explicit Repeats(int count) : Module("Repeats"), count(count) {}
+  std::vector<Tensor> forward(Args& args) override {
+    return std::vector<Tensor>(static_cast<size_t>(count), args.positional[0]);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("Note [Module outputs]: one output by (*m)(x), several by name", "[module]") {
+  Generator gen(4);
+  auto moe = nn::make<nn::MoE>({.d_model = 4, .hidden = 8, .num_experts = 2, .top_k = 1}, gen);
+  const Tensor x = ops::randn({3, 4}, gen);
+  // (*m)(x) would drop the aux loss: an error that names the way out.
+  CHECK_THROWS_WITH((*moe)(x), Catch::Contains("[nn::MoE] expected one output") &&
+                                   Catch::Contains("nn::call_with_aux"));
+  const nn::AuxOutput named = nn::call_with_aux(*moe, Args{x});
+  CHECK(named.out.shape() == x.shape());
+  REQUIRE(named.aux_loss.defined());
+  CHECK(named.aux_loss.dim() == 0);
+  // The same tensors as call()'s vector.
+  const std::vector<Tensor> all = moe->call(Args{x});
+  CHECK(ops::equal(all[0], named.out));
+  CHECK(ops::equal(all[1], named.aux_loss));
+  // A single-output module: no aux loss; three outputs fit neither form.
+  auto linear = nn::make<nn::Linear>({.in_features = 4, .out_features = 2}, gen);
+  CHECK(ops::equal(nn::call_with_aux(*linear, Args{x}).out, (*linear)(x)));
+  CHECK_FALSE(nn::call_with_aux(*linear, Args{x}).aux_loss.defined());
+  Repeats three(3);
+  CHECK_THROWS_WITH(nn::call_with_aux(three, Args{x}),
+                    Catch::Contains("[nn::Repeats] expected outputs {out} or {out, aux_loss}, "
+                                    "got 3 tensors"));
+  CHECK_THROWS_WITH(three(x), Catch::Contains("expected one output from (*module)(x), got 3"));
 }

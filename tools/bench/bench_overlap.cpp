@@ -199,8 +199,8 @@ class RankModel {
     auto forward = [&](int i) {
       m.forward[i] = Clock::now();
       const auto& [x, y] = batches_[static_cast<size_t>(i)];
-      std::vector<Tensor> out = model_->call(Args{x});
-      Tensor loss = add(nn::lm_loss(out[0], y), mul(out[1], kAuxWeight));
+      auto [logits, aux_loss] = nn::call_with_aux(*model_, Args{x});
+      Tensor loss = add(nn::lm_loss(logits, y), mul(aux_loss, kAuxWeight));
       loss = div(loss, static_cast<double>(n));
       // Fires as this micro-batch's backward begins, on the thread running it.
       register_hook(loss, [&m, i](const Tensor& g) {

@@ -73,9 +73,9 @@ std::vector<Tensor> MoELanguageModel::forward(Args& args) {
   Tensor x = add((*tok_emb_)(tokens), (*pos_emb_)(positions));  // (B, S, D) + (S, D)
   Tensor aux;
   for (size_t i = 0; i < blocks_->size(); ++i) {
-    std::vector<Tensor> out = (*blocks_)[i]->call(Args{x});
-    x = out[0];
-    aux = aux.defined() ? add(aux, out[1]) : out[1];
+    nn::AuxOutput out = nn::call_with_aux(*(*blocks_)[i], Args{x});
+    x = out.out;
+    aux = aux.defined() ? add(aux, out.aux_loss) : out.aux_loss;
   }
   return {(*lm_head_)((*norm_f_)(x)), aux};
 }

@@ -200,8 +200,7 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
     }
     Args args{tokens};
     args.named["positions"] = positions;
-    std::vector<Tensor> out = r.model->call(args);
-    const Tensor& logits = out[0];
+    const auto [logits, aux_loss] = nn::call_with_aux(*r.model, args);
     const int64_t V = logits.shape()[2];
     Tensor flat_logits = reshape(logits, Shape{-1, V});
     Tensor flat_targets = ops::reshape(targets, Shape{-1});
@@ -222,7 +221,7 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
       // graph must still reach every layer, whose backward is collective.
       ce_sum = mul(sum(flat_logits), 0.0);
     }
-    Tensor loss = add(div(ce_sum, scored_global), mul(out[1], o.aux_weight / replicas));
+    Tensor loss = add(div(ce_sum, scored_global), mul(aux_loss, o.aux_weight / replicas));
     loss = div(loss, static_cast<double>(o.micro_batches));
     if (i == 0 && fault.kind == "backward") {
       register_hook(loss, [&r, &fault, step](const Tensor& g) {
