@@ -12,6 +12,23 @@
 // from starting on a driverless machine. The same split holds for the kernels:
 // tensor/cuda/*.cu or tensor/cuda/kernels_stub.cpp.
 //
+// Note [CUDA backends]
+// ~~~~~~~~~~~~~~~~~~~~
+// Behind this header sit two implementations (runtime/cuda/backends.h): the
+// native one (real cudart, or its stub) and the emulated device
+// (runtime/cuda/emulator/, Note [Emulated CUDA device]), which runs the same
+// kernel sources on the host. cuda_api.cpp picks one, once per process, from
+// TANDEM_CUDA:
+//   auto (default)  the real GPUs when a driver and a device exist, else none;
+//   off             no CUDA device, even with a GPU present;
+//   emulated        one emulated device, emulated:N N of them (1 to 8).
+// A real GPU always wins: with a device present, `emulated` runs on it (so the
+// suites that set TANDEM_CUDA=emulated test the real kernels on a GPU
+// machine); the emulator runs only where no GPU exists. emulated() says which
+// backend is live. A build without nvcc still has the emulated device unless
+// configured with -Dgpu_emulator=disabled; the kernels then come from the
+// emulated compilation alone (tensor/cuda/backend.cpp).
+//
 // Handles are passed as void* so this header needs no CUDA include.
 #pragma once
 
@@ -19,7 +36,10 @@
 
 namespace tandem::cuda_api {
 
+// True when this binary has a CUDA backend: nvcc's kernels or the emulator's.
 bool compiled();
+// True when the CUDA devices of this process are emulated (Note [CUDA backends]).
+bool emulated();
 int device_count();
 void set_device(int device);
 int current_device();
