@@ -1,7 +1,7 @@
 // Fibers and the block scheduler of the emulated CUDA device (executor.h).
 //
-// Each host thread that runs blocks owns a Runner: a pool of fibers (ucontext
-// stacks, reused across blocks and launches) and the state of the block it is
+// Each host thread that runs blocks owns a Runner: a pool of fibers (own
+// stacks, reused across blocks and launches; Note [Fiber switch]) and the state of the block it is
 // running. The scheduler starts a fiber on the block's next thread; the fiber
 // runs threads until one waits at a barrier, then hands control back, and the
 // scheduler starts another fiber on the next thread. When every thread has
@@ -70,6 +70,91 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 
+// Note [Fiber switch]
+// ~~~~~~~~~~~~~~~~~~~
+// A block with barriers switches fibers (threads x barriers) times: a scan of
+// a 4M-element row is ~10^8 switches. glibc's swapcontext saves and restores
+// the signal mask with a system call on every switch, so on x86-64 the
+// executor switches with the few instructions below instead: push the
+// callee-saved registers and the SSE/x87 control words, swap stack pointers,
+// pop. A new fiber's stack is laid out as if it had been switched away from
+// just before entering fiber_entry. Elsewhere it falls back to ucontext.
+#if defined(__x86_64__)
+extern "C" void tandem_emu_switch(void** save_sp, void* to_sp);
+asm(R"(
+  .text
+  .p2align 4
+  .globl tandem_emu_switch
+  .hidden tandem_emu_switch
+  .type tandem_emu_switch, @function
+tandem_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size tandem_emu_switch, .-tandem_emu_switch
+)");
+
+namespace tandem::emu {
+namespace {
+struct Context {
+  void* sp = nullptr;
+};
+void switch_context(Context& from, Context& to) {
+  tandem_emu_switch(&from.sp, to.sp);
+}
+// `to` starts in `fn` (which never returns) at its first switch.
+TANDEM_EMU_UNCHECKED void make_context(Context& to, char* stack, size_t bytes, void (*fn)()) {
+  auto top = reinterpret_cast<uintptr_t>(stack + bytes) & ~uintptr_t{15};
+  auto* slot = reinterpret_cast<uint64_t*>(top);
+  *--slot = 0;                                  // fn's return address: none
+  *--slot = reinterpret_cast<uint64_t>(fn);     // popped by the switch's ret
+  for (int i = 0; i < 6; ++i)
+    *--slot = 0;                                // rbp, rbx, r12-r15
+  uint32_t control[2] = {0, 0};
+  asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(control[0]), "=m"(control[1]));
+  *--slot = uint64_t{control[0]} | uint64_t{control[1]} << 32;
+  to.sp = slot;
+}
+}  // namespace
+}  // namespace tandem::emu
+#else
+namespace tandem::emu {
+namespace {
+struct Context {
+  ucontext_t uc;
+};
+void switch_context(Context& from, Context& to) {
+  swapcontext(&from.uc, &to.uc);
+}
+TANDEM_EMU_UNCHECKED void make_context(Context& to, char* stack, size_t bytes, void (*fn)()) {
+  getcontext(&to.uc);
+  to.uc.uc_stack.ss_sp = stack;
+  to.uc.uc_stack.ss_size = bytes;
+  to.uc.uc_link = nullptr;
+  makecontext(&to.uc, fn, 0);
+}
+}  // namespace
+}  // namespace tandem::emu
+#endif
+
 namespace tandem::emu {
 namespace {
 
@@ -88,7 +173,7 @@ constexpr size_t kGuardBytes = 4096;
 enum class Wait : uint8_t { None, Block, Warp, Exited };
 
 struct Fiber {
-  ucontext_t context;
+  Context context;
   void* mapping = nullptr;  // guard page, then the stack
   void* tsan = nullptr;
   void* asan_fake_stack = nullptr;
@@ -249,7 +334,7 @@ class Runner {
 #ifdef TANDEM_EMU_TSAN
     __tsan_switch_to_fiber(scheduler_tsan_, 0);  // synchronising: the scheduler sees all
 #endif
-    swapcontext(&self->context, &scheduler_);
+    switch_context(self->context, scheduler_);
 #ifdef TANDEM_EMU_ASAN
     __sanitizer_finish_switch_fiber(self->asan_fake_stack, &scheduler_stack_,
                                     &scheduler_stack_size_);
@@ -266,7 +351,7 @@ class Runner {
 #ifdef TANDEM_EMU_TSAN
     __tsan_switch_to_fiber(f->tsan, __tsan_switch_to_fiber_no_sync);
 #endif
-    swapcontext(&scheduler_, &f->context);
+    switch_context(scheduler_, f->context);
 #ifdef TANDEM_EMU_ASAN
     __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
@@ -289,11 +374,7 @@ class Runner {
 
   // A fresh context at the fiber's entry (also after an error abandoned it).
   TANDEM_EMU_UNCHECKED void reset(Fiber* f) {
-    getcontext(&f->context);
-    f->context.uc_stack.ss_sp = f->stack();
-    f->context.uc_stack.ss_size = kStackBytes;
-    f->context.uc_link = nullptr;
-    makecontext(&f->context, entry, 0);
+    make_context(f->context, f->stack(), kStackBytes, entry);
 #ifdef TANDEM_EMU_TSAN
     if (f->tsan != nullptr) __tsan_destroy_fiber(f->tsan);
     f->tsan = __tsan_create_fiber(0);
@@ -410,7 +491,7 @@ class Runner {
     body_ = nullptr;
   }
 
-  ucontext_t scheduler_;
+  Context scheduler_;
   void* scheduler_tsan_ = nullptr;
   const void* scheduler_stack_ = nullptr;
   size_t scheduler_stack_size_ = 0;
