@@ -72,7 +72,8 @@ int device_count() {
 
 // The rest forward; with no device at all they reach the native backend,
 // whose stub or cudart reports the error.
-#define TANDEM_CUDA_FORWARD(call) (emulated() ? cuda_backend::emulator::call : cuda_backend::native::call)
+#define TANDEM_CUDA_FORWARD(call) \
+  (emulated() ? cuda_backend::emulator::call : cuda_backend::native::call)
 
 void set_device(int device) {
   TANDEM_CUDA_FORWARD(set_device(device));

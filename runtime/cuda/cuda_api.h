@@ -2,15 +2,17 @@
 //
 // Note [CUDA stubs]
 // ~~~~~~~~~~~~~~~~~
-// Meson compiles either cuda_api.cpp (CUDA found: real cudart calls) or
-// cuda_api_stub.cpp (no CUDA: device_count() is 0 and every other call throws
-// "built without CUDA"). No function body contains #ifdef. libcudart loads the
+// Meson compiles either cuda_native.cpp (CUDA found: real cudart calls) or
+// cuda_native_stub.cpp (no CUDA: device_count() is 0 and every other call
+// throws "built without CUDA"), likewise the emulator or its stub
+// (Note [CUDA backends]). No function body contains #ifdef. libcudart loads the
 // driver lazily, so a CUDA build starts on a machine without a driver;
 // device_count() treats any error from cudaGetDeviceCount (35: insufficient
 // driver, 100: no device) as "no GPU" and never touches the count it did not
 // write. Nothing here links the driver API (-lcuda): that would stop the binary
 // from starting on a driverless machine. The same split holds for the kernels:
-// tensor/cuda/*.cu or tensor/cuda/kernels_stub.cpp.
+// tensor/cuda/*.cu or tensor/cuda/kernels_stub.cpp (Note [Two kernel
+// compilations] in tensor/cuda/cuda_common.cuh).
 //
 // Note [CUDA backends]
 // ~~~~~~~~~~~~~~~~~~~~

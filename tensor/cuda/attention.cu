@@ -255,11 +255,12 @@ void attention(const AttentionArgs& args, const TensorArg& q, const TensorArg& k
   detail::StreamDeviceGuard guard(stream);
   dispatch_attention(q.dtype, "attention", [&](auto zero) {
     using V = decltype(zero);
-    detail::launch(attention_forward_kernel<V>, grid_for(g.B * g.Hq * g.Sq), kAttnThreads, 0, stream, g, static_cast<const V*>(q.data), strides_of(q), static_cast<const V*>(k.data),
-            strides_of(k), static_cast<const V*>(v.data), strides_of(v), static_cast<V*>(out.data),
-            strides_of(out), static_cast<float*>(lse.data));
+    detail::launch(attention_forward_kernel<V>, grid_for(g.B * g.Hq * g.Sq), kAttnThreads, 0,
+                   stream, g, static_cast<const V*>(q.data), strides_of(q),
+                   static_cast<const V*>(k.data), strides_of(k), static_cast<const V*>(v.data),
+                   strides_of(v), static_cast<V*>(out.data), strides_of(out),
+                   static_cast<float*>(lse.data));
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void attention_backward(const AttentionArgs& args, const TensorArg& q, const TensorArg& k,
@@ -277,13 +278,14 @@ void attention_backward(const AttentionArgs& args, const TensorArg& q, const Ten
     const V* op = static_cast<const V*>(out.data);
     const V* dop = static_cast<const V*>(dout.data);
     const float* lp = static_cast<const float*>(lse.data);
-    detail::launch(attention_dq_kernel<V>, grid_for(g.B * g.Hq * g.Sq), kAttnThreads, 0, stream, g, qp, strides_of(q), kp, strides_of(k), vp, strides_of(v), op, strides_of(out), lp,
-            dop, strides_of(dout), static_cast<V*>(dq.data), strides_of(dq));
-    detail::launch(attention_dkv_kernel<V>, grid_for(g.B * g.Hkv * g.Sk), kAttnThreads, 0, stream, g, qp, strides_of(q), kp, strides_of(k), vp, strides_of(v), op, strides_of(out), lp,
-            dop, strides_of(dout), static_cast<V*>(dk.data), strides_of(dk),
-            static_cast<V*>(dv.data), strides_of(dv));
+    detail::launch(attention_dq_kernel<V>, grid_for(g.B * g.Hq * g.Sq), kAttnThreads, 0, stream, g,
+                   qp, strides_of(q), kp, strides_of(k), vp, strides_of(v), op, strides_of(out), lp,
+                   dop, strides_of(dout), static_cast<V*>(dq.data), strides_of(dq));
+    detail::launch(attention_dkv_kernel<V>, grid_for(g.B * g.Hkv * g.Sk), kAttnThreads, 0, stream,
+                   g, qp, strides_of(q), kp, strides_of(k), vp, strides_of(v), op, strides_of(out),
+                   lp, dop, strides_of(dout), static_cast<V*>(dk.data), strides_of(dk),
+                   static_cast<V*>(dv.data), strides_of(dv));
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace tandem::TANDEM_KERNEL_SET

@@ -7,7 +7,8 @@
 
 namespace tandem::cuda {
 
-#define TANDEM_KERNEL_FORWARD(call) (cuda_api::emulated() ? cuda_kernels::emulated::call : cuda_kernels::native::call)
+#define TANDEM_KERNEL_FORWARD(call) \
+  (cuda_api::emulated() ? cuda_kernels::emulated::call : cuda_kernels::native::call)
 
 void unary(UnaryOp op, const TensorArg& in, const TensorArg& out, void* stream) {
   TANDEM_KERNEL_FORWARD(unary(op, in, out, stream));

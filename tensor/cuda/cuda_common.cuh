@@ -50,7 +50,7 @@
 #include <cuda_runtime.h>
 #define TANDEM_KERNEL_SET cuda_kernels::native
 #define TANDEM_SHARED(type, name, count) __shared__ type name[count]
-#define TANDEM_DYNAMIC_SHARED(type, name)                                   \
+#define TANDEM_DYNAMIC_SHARED(type, name)                                 \
   extern __shared__ __align__(16) unsigned char tandem_dynamic_shared_[]; \
   type* name = reinterpret_cast<type*>(tandem_dynamic_shared_)
 #endif

@@ -160,11 +160,11 @@ void layer_norm(const TensorArg& x, const TensorArg& weight, const TensorArg& bi
   detail::StreamDeviceGuard guard(stream);
   dispatch_floating(x.dtype, "layer_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    detail::launch(layer_norm_kernel<T>, row_blocks(rows), detail::row_threads(d), 0, stream, static_cast<const T*>(x.data), Param{weight.data, weight.dtype},
-        Param{bias.data, bias.dtype}, eps, rows, d, static_cast<T*>(out.data),
-        static_cast<float*>(mean.data), static_cast<float*>(rstd.data));
+    detail::launch(layer_norm_kernel<T>, row_blocks(rows), detail::row_threads(d), 0, stream,
+                   static_cast<const T*>(x.data), Param{weight.data, weight.dtype},
+                   Param{bias.data, bias.dtype}, eps, rows, d, static_cast<T*>(out.data),
+                   static_cast<float*>(mean.data), static_cast<float*>(rstd.data));
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void rms_norm(const TensorArg& x, const TensorArg& weight, double eps, int64_t rows, int64_t d,
@@ -173,10 +173,10 @@ void rms_norm(const TensorArg& x, const TensorArg& weight, double eps, int64_t r
   detail::StreamDeviceGuard guard(stream);
   dispatch_floating(x.dtype, "rms_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    detail::launch(rms_norm_kernel<T>, row_blocks(rows), detail::row_threads(d), 0, stream, static_cast<const T*>(x.data), Param{weight.data, weight.dtype}, eps, rows, d,
-        static_cast<T*>(out.data), static_cast<float*>(rstd.data));
+    detail::launch(rms_norm_kernel<T>, row_blocks(rows), detail::row_threads(d), 0, stream,
+                   static_cast<const T*>(x.data), Param{weight.data, weight.dtype}, eps, rows, d,
+                   static_cast<T*>(out.data), static_cast<float*>(rstd.data));
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void norm_backward(const TensorArg& dy, const TensorArg& x, const TensorArg& weight,
@@ -189,16 +189,17 @@ void norm_backward(const TensorArg& dy, const TensorArg& x, const TensorArg& wei
     using T = typename decltype(tag)::type;
     using V = acc_t<T>;
     const float* mean_p = static_cast<const float*>(mean.data);
-    detail::launch(norm_backward_dx_kernel<T>, row_blocks(rows), detail::row_threads(d), 0, stream, static_cast<const T*>(dy.data), static_cast<const T*>(x.data),
-            Param{weight.data, weight.dtype}, mean_p, static_cast<const float*>(rstd.data), rows, d,
-            static_cast<T*>(dx.data));
+    detail::launch(norm_backward_dx_kernel<T>, row_blocks(rows), detail::row_threads(d), 0, stream,
+                   static_cast<const T*>(dy.data), static_cast<const T*>(x.data),
+                   Param{weight.data, weight.dtype}, mean_p, static_cast<const float*>(rstd.data),
+                   rows, d, static_cast<T*>(dx.data));
     if (dweight.data != nullptr || dbias.data != nullptr) {
-      detail::launch(norm_backward_params_kernel<T>, detail::blocks_for(d), detail::kThreads, 0, stream, static_cast<const T*>(dy.data), static_cast<const T*>(x.data), mean_p,
-              static_cast<const float*>(rstd.data), rows, d, static_cast<V*>(dweight.data),
-              static_cast<V*>(dbias.data));
+      detail::launch(norm_backward_params_kernel<T>, detail::blocks_for(d), detail::kThreads, 0,
+                     stream, static_cast<const T*>(dy.data), static_cast<const T*>(x.data), mean_p,
+                     static_cast<const float*>(rstd.data), rows, d, static_cast<V*>(dweight.data),
+                     static_cast<V*>(dbias.data));
     }
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace tandem::TANDEM_KERNEL_SET

@@ -123,9 +123,11 @@ void launch_reduce(R reducer, const TensorArg& in, int64_t outer, int64_t r, int
   if (inner == 1 || outputs < kFewOutputs) {
     int threads = detail::row_threads(r);
     auto blocks = static_cast<unsigned>(std::min<int64_t>(outputs, int64_t{1} << 16));
-    detail::launch(reduce_block_kernel<T, R>, blocks, threads, 0, stream, reducer, data, outer, r, inner, out.data, out.dtype);
+    detail::launch(reduce_block_kernel<T, R>, blocks, threads, 0, stream, reducer, data, outer, r,
+                   inner, out.data, out.dtype);
   } else {
-    detail::launch(reduce_thread_kernel<T, R>, detail::blocks_for(outputs), detail::kThreads, 0, stream, reducer, data, outer, r, inner, out.data, out.dtype);
+    detail::launch(reduce_thread_kernel<T, R>, detail::blocks_for(outputs), detail::kThreads, 0,
+                   stream, reducer, data, outer, r, inner, out.data, out.dtype);
   }
 }
 
@@ -242,7 +244,6 @@ void reduce(ReduceOp op, const TensorArg& in, int64_t outer, int64_t r, int64_t 
       }
     }
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void softmax(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, bool log,
@@ -256,12 +257,13 @@ void softmax(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, bool 
     int64_t lines = outer * inner;
     if (inner == 1 || lines < kFewOutputs) {
       auto blocks = static_cast<unsigned>(std::min<int64_t>(lines, int64_t{1} << 16));
-      detail::launch(softmax_block_kernel<T>, blocks, detail::row_threads(r), 0, stream, x, y, outer, r, inner, log);
+      detail::launch(softmax_block_kernel<T>, blocks, detail::row_threads(r), 0, stream, x, y,
+                     outer, r, inner, log);
     } else {
-      detail::launch(softmax_thread_kernel<T>, detail::blocks_for(lines), detail::kThreads, 0, stream, x, y, outer, r, inner, log);
+      detail::launch(softmax_thread_kernel<T>, detail::blocks_for(lines), detail::kThreads, 0,
+                     stream, x, y, outer, r, inner, log);
     }
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void cumsum(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, const TensorArg& out,
@@ -275,12 +277,13 @@ void cumsum(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, const 
     // scanned by one thread each.
     if (inner == 1 && r >= 64) {
       auto blocks = static_cast<unsigned>(std::min<int64_t>(outer, int64_t{1} << 16));
-      detail::launch(cumsum_block_kernel<T>, blocks, detail::row_threads(r), 0, stream, x, out.data, out.dtype, outer, r);
+      detail::launch(cumsum_block_kernel<T>, blocks, detail::row_threads(r), 0, stream, x, out.data,
+                     out.dtype, outer, r);
     } else {
-      detail::launch(cumsum_thread_kernel<T>, detail::blocks_for(outer * inner), detail::kThreads, 0, stream, x, out.data, out.dtype, outer, r, inner);
+      detail::launch(cumsum_thread_kernel<T>, detail::blocks_for(outer * inner), detail::kThreads,
+                     0, stream, x, out.data, out.dtype, outer, r, inner);
     }
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace tandem::TANDEM_KERNEL_SET

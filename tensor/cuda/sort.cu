@@ -142,9 +142,8 @@ void sort_rows(const TensorArg& in, int64_t rows, int64_t n, int64_t keep, bool 
     if (shared_bytes <= kSharedBytes) {
       int threads = static_cast<int>(std::clamp<int64_t>(p / 2, 32, detail::kMaxBlock));
       auto blocks = static_cast<unsigned>(std::min<int64_t>(rows, int64_t{1} << 16));
-      detail::launch(sort_shared_kernel<T>, blocks, threads, shared_bytes, stream, x, rows, n, p, descending,
-                                                                       keep, vals, indices);
-      TANDEM_CUDA_CHECK(cudaGetLastError());
+      detail::launch(sort_shared_kernel<T>, blocks, threads, shared_bytes, stream, x, rows, n, p,
+                     descending, keep, vals, indices);
       return;
     }
     // Long rows: permute a (rows, n) index array in place. argsort sorts its
@@ -157,18 +156,17 @@ void sort_rows(const TensorArg& in, int64_t rows, int64_t n, int64_t keep, bool 
       TANDEM_CUDA_CHECK(cudaMallocAsync(&buffer, rows * n * sizeof(int64_t), stream));
       idx = static_cast<int64_t*>(buffer);
     }
-    detail::launch(iota_rows_kernel, detail::blocks_for(rows * n), detail::kThreads, 0, stream, idx, n,
-                                                                                    rows * n);
-    TANDEM_CUDA_CHECK(cudaGetLastError());
+    detail::launch(iota_rows_kernel, detail::blocks_for(rows * n), detail::kThreads, 0, stream, idx,
+                   n, rows * n);
     for (int64_t size = 2; size <= p; size *= 2) {
       for (int64_t stride = size / 2; stride > 0; stride /= 2) {
-        detail::launch(sort_stage_kernel<T>, detail::blocks_for(rows * (p / 2)), detail::kThreads, 0, stream, x, idx, rows, n, p, size, stride, descending);
-        TANDEM_CUDA_CHECK(cudaGetLastError());
+        detail::launch(sort_stage_kernel<T>, detail::blocks_for(rows * (p / 2)), detail::kThreads,
+                       0, stream, x, idx, rows, n, p, size, stride, descending);
       }
     }
     if (vals != nullptr && keep > 0) {
-      detail::launch(take_first_kernel<T>, detail::blocks_for(rows * keep), detail::kThreads, 0, stream, x, idx, rows, n, keep, vals, indices);
-      TANDEM_CUDA_CHECK(cudaGetLastError());
+      detail::launch(take_first_kernel<T>, detail::blocks_for(rows * keep), detail::kThreads, 0,
+                     stream, x, idx, rows, n, keep, vals, indices);
     }
     if (scratch) TANDEM_CUDA_CHECK(cudaFreeAsync(idx, stream));
   });

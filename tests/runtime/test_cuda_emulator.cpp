@@ -313,8 +313,7 @@ TEST_CASE("emulated streams and events keep CUDA's ordering", "[emulator]") {
                 static_cast<float>(i));
   ready.record(producer);
   ready.wait(consumer);  // the consumer's copy must see the last fill
-  cuda_api::memcpy_async(b, a, bytes, cuda_api::CopyKind::DeviceToDevice,
-                         consumer.native_handle());
+  cuda_api::memcpy_async(b, a, bytes, cuda_api::CopyKind::DeviceToDevice, consumer.native_handle());
   done.record(consumer);
   done.synchronize();
   REQUIRE(done.query());
@@ -324,6 +323,10 @@ TEST_CASE("emulated streams and events keep CUDA's ordering", "[emulator]") {
                          consumer.native_handle());
   for (int i = 0; i < n; i += 997)
     REQUIRE(host[i] == 20.0f);
+  // A bad configuration fails at the launch, as cudaGetLastError reports it on a GPU.
+  REQUIRE_THROWS_WITH(
+      emu::launch(fill_kernel, dim3(1), dim3(2048), 0, producer.native_handle(), a, n, 1.0f),
+      Contains("expected a block of 1 to 1024 threads"));
   // A kernel's failure is sticky on its stream and surfaces at the next synchronize().
   emu::launch(throwing_kernel, dim3(1), dim3(8), 0, producer.native_handle());
   REQUIRE_THROWS_WITH(producer.synchronize(), Contains("[test] kernel failure"));

@@ -5,9 +5,11 @@
 // public op (tensor/ops.h) on both devices and compares: exactly for copies,
 // casts, indexing, sorting, uniform random numbers and integer arithmetic;
 // within a per-dtype tolerance for float math, whose evaluation order or
-// libm differs between the backends. Without a GPU every case but the first
-// says SKIP and passes; the first checks that a CUDA build runs its CPU paths
-// on a machine without a driver (Note [CUDA stubs]).
+// libm differs between the backends. The suite runs with TANDEM_CUDA=emulated
+// (tests/meson.build), so without a GPU these cases run on the emulated device
+// (Note [CUDA backends]); with neither, every case but the first says SKIP and
+// passes, and the first checks that a CUDA build runs its CPU paths on a
+// machine without a driver (Note [CUDA stubs]).
 #include <catch2/catch.hpp>
 #include <iostream>
 

@@ -102,9 +102,9 @@ size_t free_memory(int device) {
 
 void* stream_create(int device) {
   check_device(device, "stream_create");
-  auto s = std::make_unique<EmulatedStream>(EmulatedStream{
-      device, Stream::create(Device::cpu(), CpuStreamMode::Async,
-                             fmt::format("cuda:{}/emulated", device))});
+  auto s = std::make_unique<EmulatedStream>(
+      EmulatedStream{device, Stream::create(Device::cpu(), CpuStreamMode::Async,
+                                            fmt::format("cuda:{}/emulated", device))});
   return s.release();  // owned by the caller's RAII stream (runtime/stream.cpp)
 }
 void stream_destroy(void* stream) {
@@ -165,6 +165,7 @@ void enqueue_host(void* stream, std::function<void()> task) {
   enqueue(stream, std::move(task));
 }
 void enqueue_grid(void* stream, const LaunchShape& shape, std::function<void()> thread_body) {
+  check_shape(shape);  // at the launch, as a GPU reports a bad configuration
   enqueue(stream, [shape, body = std::move(thread_body)] { run_grid(shape, body); });
 }
 int stream_device(void* stream) {
@@ -180,7 +181,8 @@ void free_async(void* ptr, void* stream) {
   enqueue(stream, [ptr] { std::free(ptr); });
 }
 void copy_async(void* dst, const void* src, size_t nbytes, void* stream) {
-  cuda_backend::emulator::memcpy_async(dst, src, nbytes, cuda_api::CopyKind::DeviceToDevice, stream);
+  cuda_backend::emulator::memcpy_async(dst, src, nbytes, cuda_api::CopyKind::DeviceToDevice,
+                                       stream);
 }
 void set_device(int device) {
   cuda_backend::emulator::set_device(device);

@@ -124,10 +124,10 @@ void switch_context(Context& from, Context& to) {
 TANDEM_EMU_UNCHECKED void make_context(Context& to, char* stack, size_t bytes, void (*fn)()) {
   auto top = reinterpret_cast<uintptr_t>(stack + bytes) & ~uintptr_t{15};
   auto* slot = reinterpret_cast<uint64_t*>(top);
-  *--slot = 0;                                  // fn's return address: none
-  *--slot = reinterpret_cast<uint64_t>(fn);     // popped by the switch's ret
+  *--slot = 0;                               // fn's return address: none
+  *--slot = reinterpret_cast<uint64_t>(fn);  // popped by the switch's ret
   for (int i = 0; i < 6; ++i)
-    *--slot = 0;                                // rbp, rbx, r12-r15
+    *--slot = 0;  // rbp, rbx, r12-r15
   uint32_t control[2] = {0, 0};
   asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(control[0]), "=m"(control[1]));
   *--slot = uint64_t{control[0]} | uint64_t{control[1]} << 32;
@@ -177,7 +177,8 @@ struct Fiber {
   void* mapping = nullptr;  // guard page, then the stack
   void* tsan = nullptr;
   void* asan_fake_stack = nullptr;
-  int thread = -1;  // the emulated thread it runs, -1 when idle
+  int thread = -1;            // the emulated thread it runs, -1 when idle
+  bool ran_in_block = false;  // under TSan a fiber serves one thread per block
   Fiber() = default;
   Fiber(const Fiber&) = delete;
   Fiber& operator=(const Fiber&) = delete;
@@ -187,7 +188,9 @@ struct Fiber {
 #endif
     if (mapping != nullptr) munmap(mapping, kStackBytes + kGuardBytes);
   }
-  char* stack() const { return static_cast<char*>(mapping) + kGuardBytes; }
+  char* stack() const {
+    return static_cast<char*>(mapping) + kGuardBytes;
+  }
 };
 
 // Per emulated thread of the running block.
@@ -273,6 +276,7 @@ class Runner {
       while (next_thread_ < threads_ && error_ == nullptr) {
         int t = static_cast<int>(next_thread_++);
         self->thread = t;
+        self->ran_in_block = true;
         slots_[t].fiber = self;
         set_index(t);
 #ifdef TANDEM_EMU_TSAN
@@ -301,12 +305,16 @@ class Runner {
     thread_local Runner runner;
     return runner;
   }
-  Fiber* starting() const { return starting_; }
+  Fiber* starting() const {
+    return starting_;
+  }
 
  private:
   static constexpr int kWarpSyncs = 2 * (kMaxBlockThreads / kWarpSize);
 
-  static void poison(void* data, size_t bytes) { std::memset(data, 0xff, bytes); }
+  static void poison(void* data, size_t bytes) {
+    std::memset(data, 0xff, bytes);
+  }
 
   TANDEM_EMU_UNCHECKED void set_index(int t) {
     const Dim& b = shape_.block;
@@ -328,8 +336,7 @@ class Runner {
 
   TANDEM_EMU_UNCHECKED void yield(Fiber* self) {
 #ifdef TANDEM_EMU_ASAN
-    __sanitizer_start_switch_fiber(&self->asan_fake_stack, scheduler_stack_,
-                                   scheduler_stack_size_);
+    __sanitizer_start_switch_fiber(&self->asan_fake_stack, scheduler_stack_, scheduler_stack_size_);
 #endif
 #ifdef TANDEM_EMU_TSAN
     __tsan_switch_to_fiber(scheduler_tsan_, 0);  // synchronising: the scheduler sees all
@@ -357,9 +364,11 @@ class Runner {
 #endif
   }
 
+  // An idle fiber; under TSan one that has not run a thread of this block, so
+  // that no two emulated threads share a fiber's program order.
   TANDEM_EMU_UNCHECKED Fiber* idle_fiber() {
     for (auto& f : fibers_) {
-      if (f->thread < 0) return f.get();
+      if (f->thread < 0 && !(kFiberPerThread && f->ran_in_block)) return f.get();
     }
     auto f = std::make_unique<Fiber>();
     f->mapping = mmap(nullptr, kStackBytes + kGuardBytes, PROT_READ | PROT_WRITE,
@@ -390,6 +399,8 @@ class Runner {
     next_thread_ = 0;
     for (auto& s : slots_)
       s = Slot{};
+    for (auto& f : fibers_)
+      f->ran_in_block = false;
     for (auto& a : shared_)
       poison(a.data, a.bytes);
     poison(dynamic_, shape_.shared_bytes);
@@ -604,7 +615,7 @@ struct GridJob {
 
 }  // namespace
 
-void run_grid(const LaunchShape& shape, const std::function<void()>& thread_body) {
+void check_shape(const LaunchShape& shape) {
   const Dim& g = shape.grid;
   const Dim& b = shape.block;
   uint64_t threads = uint64_t{b.x} * b.y * b.z;
@@ -615,6 +626,11 @@ void run_grid(const LaunchShape& shape, const std::function<void()>& thread_body
                "[cuda::emulator] expected a grid of at least one block (y, z <= 65535), got ({}, "
                "{}, {})",
                g.x, g.y, g.z);
+}
+
+void run_grid(const LaunchShape& shape, const std::function<void()>& thread_body) {
+  check_shape(shape);
+  const Dim& g = shape.grid;
   auto job = std::make_shared<GridJob>();
   job->shape = shape;
   job->body = &thread_body;

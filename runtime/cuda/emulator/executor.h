@@ -31,6 +31,10 @@ struct LaunchShape {
 constexpr unsigned kMaxBlockThreads = 1024;
 constexpr int kWarpSize = 32;
 
+// Throws tandem::Error unless `shape` is a valid launch (what cudaGetLastError
+// reports right after a bad launch on a GPU).
+void check_shape(const LaunchShape& shape);
+
 // Runs `thread_body` once for every thread of the grid and returns when all
 // have finished. Throws tandem::Error for an invalid shape, for threads that
 // wait at different barriers (a deadlock on a GPU) and for an exception thrown

@@ -66,9 +66,9 @@ struct dim3 {
 constexpr int warpSize = tandem::emu::kWarpSize;
 
 // Static shared memory: `type name[count]` per block; `name` is a pointer here.
-#define TANDEM_SHARED(type, name, count)                                              \
-  static char name##_tandem_tag_ = 0;                                                 \
-  type* name = static_cast<type*>(                                                    \
+#define TANDEM_SHARED(type, name, count) \
+  static char name##_tandem_tag_ = 0;    \
+  type* name = static_cast<type*>(       \
       ::tandem::emu::static_shared(&name##_tandem_tag_, sizeof(type) * (count)))
 // Dynamic shared memory: the launch's shared_bytes, viewed as `type`.
 #define TANDEM_DYNAMIC_SHARED(type, name) \

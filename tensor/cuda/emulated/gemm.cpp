@@ -56,8 +56,9 @@ void gemm_16bit(const GemmArgs& g) {
     std::vector<float> c32 = g.beta != 0.0f ? widen(c, g.m, g.n, g.ldc)
                                             : std::vector<float>(static_cast<size_t>(g.m * g.n));
     cblas_sgemm(CblasRowMajor, ta, tb, checked_int(g.m, "m"), checked_int(g.n, "n"),
-                checked_int(g.k, "k"), g.alpha, a32.data(), checked_int(std::max<int64_t>(a_cols, 1), "lda"),
-                b32.data(), checked_int(std::max<int64_t>(b_cols, 1), "ldb"), g.beta, c32.data(),
+                checked_int(g.k, "k"), g.alpha, a32.data(),
+                checked_int(std::max<int64_t>(a_cols, 1), "lda"), b32.data(),
+                checked_int(std::max<int64_t>(b_cols, 1), "ldb"), g.beta, c32.data(),
                 checked_int(std::max<int64_t>(g.n, 1), "ldc"));
     for (int64_t r = 0; r < g.m; ++r)
       for (int64_t col = 0; col < g.n; ++col)
@@ -106,8 +107,8 @@ void run_gemm(const GemmArgs& g) {
 
 void gemm(const GemmArgs& args, void* stream) {
   if (args.batch == 0 || args.m == 0 || args.n == 0) return;
-  TANDEM_CHECK(args.dtype == DType::F32 || args.dtype == DType::F64 ||
-                   args.dtype == DType::BF16 || args.dtype == DType::F16,
+  TANDEM_CHECK(args.dtype == DType::F32 || args.dtype == DType::F64 || args.dtype == DType::BF16 ||
+                   args.dtype == DType::F16,
                "[cuda::gemm] expected a floating dtype (f32, f64, bf16, f16), got {}",
                dtype_name(args.dtype));
   emu::enqueue_host(stream, [args] { run_gemm(args); });
