@@ -117,7 +117,7 @@ namespace {
 struct Context {
   void* sp = nullptr;
 };
-void switch_context(Context& from, Context& to) {
+TANDEM_EMU_UNCHECKED void switch_context(Context& from, Context& to) {
   tandem_emu_switch(&from.sp, to.sp);
 }
 // `to` starts in `fn` (which never returns) at its first switch.
@@ -141,7 +141,7 @@ namespace {
 struct Context {
   ucontext_t uc;
 };
-void switch_context(Context& from, Context& to) {
+TANDEM_EMU_UNCHECKED void switch_context(Context& from, Context& to) {
   swapcontext(&from.uc, &to.uc);
 }
 TANDEM_EMU_UNCHECKED void make_context(Context& to, char* stack, size_t bytes, void (*fn)()) {
