@@ -163,8 +163,9 @@ struct Child {
   std::string output;
 };
 
-// Runs this binary on one hidden test case with stdout and stderr captured.
-Child run_child(const std::string& test_case) {
+// Runs this binary on one hidden test case with stdout and stderr captured,
+// TANDEM_CUDA set to `tandem_cuda` when given.
+Child run_child(const std::string& test_case, const std::string& tandem_cuda = "") {
   char path[] = "/tmp/tandem-emulator-child-XXXXXX";
   int fd = mkstemp(path);
   REQUIRE(fd >= 0);
@@ -174,8 +175,12 @@ Child run_child(const std::string& test_case) {
   posix_spawn_file_actions_adddup2(&actions, fd, 2);
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) {
-    if (std::string(*e).rfind("TSAN_OPTIONS=", 0) != 0) env_strings.emplace_back(*e);
+    const std::string var = *e;
+    if (var.rfind("TSAN_OPTIONS=", 0) == 0) continue;
+    if (!tandem_cuda.empty() && var.rfind("TANDEM_CUDA=", 0) == 0) continue;
+    env_strings.push_back(var);
   }
+  if (!tandem_cuda.empty()) env_strings.push_back("TANDEM_CUDA=" + tandem_cuda);
   // Keep going after a report, so the child also prints its result.
   env_strings.emplace_back("TSAN_OPTIONS=halt_on_error=0");
   std::vector<char*> envp;
@@ -368,7 +373,49 @@ TEST_CASE("an out-of-bounds store is caught on the emulator under ASan", "[emula
   REQUIRE_THAT(child.output, Contains("WRITE of size 4"));  // the float past the end
 }
 
+TEST_CASE("TANDEM_CUDA chooses the CUDA backend once per process", "[emulator]") {
+  if (!cuda_emulated()) {
+    WARN("SKIP: needs a machine without a GPU whose suite runs with TANDEM_CUDA=emulated");
+    std::cout << "SKIP: the CUDA device is not the emulated one" << std::endl;
+    return;
+  }
+  Child three = run_child("emulator child: devices", "emulated:3");
+  INFO(three.output);
+  REQUIRE_THAT(three.output, Contains("devices 3 emulated 1 cuda:2 ok"));
+  Child off = run_child("emulator child: devices", "off");
+  INFO(off.output);
+  REQUIRE_THAT(off.output, Contains("devices 0 emulated 0"));
+  Child zero = run_child("emulator child: devices", "emulated:0");
+  INFO(zero.output);
+  REQUIRE_THAT(
+      zero.output,
+      Contains("[cuda] expected TANDEM_CUDA=emulated:N with N in [1, 8], got \"emulated:0\""));
+  Child bogus = run_child("emulator child: devices", "gpu");
+  INFO(bogus.output);
+  REQUIRE_THAT(bogus.output, Contains("[cuda] expected TANDEM_CUDA to be auto, off, emulated or "
+                                      "emulated:N, got \"gpu\""));
+}
+
 // Hidden: run only by name, in the child processes above.
+TEST_CASE("emulator child: devices", "[.][emulator-child]") {
+  try {
+    const int count = cuda_device_count();
+    std::cout << "devices " << count << " emulated " << cuda_emulated();
+    if (count == 3) {
+      // The last emulated device takes memory and streams like the first.
+      Stream s = Stream::create(Device::cuda(2));
+      void* p = cuda_api::malloc(64, 2);
+      cuda_api::memset_async(p, 0, 64, s.native_handle());
+      s.synchronize();
+      cuda_api::free(p, 2);
+      std::cout << " cuda:2 ok";
+    }
+    std::cout << std::endl;
+  } catch (const Error& e) {
+    std::cout << "error: " << e.what() << std::endl;
+  }
+}
+
 TEST_CASE("emulator child: missing syncthreads", "[.][emulator-child]") {
   std::vector<int> in(256), out(1, 0);
   std::iota(in.begin(), in.end(), 1);
