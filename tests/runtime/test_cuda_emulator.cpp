@@ -126,7 +126,7 @@ __global__ void atomic_kernel(int* count, float* fsum, double* dsum, int* max, i
   atomicAdd(fsum, 1.0f);
   atomicAdd(dsum, 0.5);
   atomicMax(max, id);
-  int old = *cas_count, seen;
+  int old = atomicAdd(cas_count, 0), seen;  // a plain read would race with the others' CAS
   do {
     seen = old;
     old = atomicCAS(cas_count, seen, seen + 2);

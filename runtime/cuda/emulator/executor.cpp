@@ -22,8 +22,9 @@
 // start acquires the block's start, released once by the scheduler before
 // the block's first thread runs. A shared-memory race between the threads of
 // a block is then a reported data race. The executor's own bookkeeping
-// (scheduler state, indices, exchange words) is read and written only in
-// functions marked TANDEM_EMU_UNCHECKED, invisible to TSan. Under ASan the
+// (scheduler state, indices, exchange words) is touched on the fiber side only
+// inside an Unchecked scope, whose accesses TSan ignores, and in functions
+// marked TANDEM_EMU_UNCHECKED (not instrumented). Under ASan the
 // switches are announced with __sanitizer_start/finish_switch_fiber so that
 // ASan knows which stack is live.
 #include "runtime/cuda/emulator/executor.h"
@@ -63,6 +64,11 @@
 #ifdef TANDEM_EMU_TSAN
 #include <sanitizer/tsan_interface.h>
 #define TANDEM_EMU_UNCHECKED __attribute__((no_sanitize("thread"), noinline))
+// TSan's dynamic annotations (its runtime exports them; no header declares them).
+extern "C" void AnnotateIgnoreReadsBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreReadsEnd(const char* file, int line);
+extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
 #else
 #define TANDEM_EMU_UNCHECKED
 #endif
@@ -170,6 +176,27 @@ constexpr size_t kStackBytes = 256 * 1024;
 #endif
 constexpr size_t kGuardBytes = 4096;
 
+// While alive, the calling fiber's memory accesses are invisible to TSan: the
+// executor's bookkeeping on the fiber side, including what the standard
+// library does for it out of line (Note [Emulator and ThreadSanitizer]).
+// Never held across a kernel's own code.
+struct Unchecked {
+#ifdef TANDEM_EMU_TSAN
+  Unchecked() {
+    AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+    AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
+  }
+  ~Unchecked() {
+    AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+    AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+  }
+  Unchecked(const Unchecked&) = delete;
+  Unchecked& operator=(const Unchecked&) = delete;
+#else
+  Unchecked() {}  // user-provided: an unused scope is not a warning
+#endif
+};
+
 enum class Wait : uint8_t { None, Block, Warp, Exited };
 
 struct Fiber {
@@ -238,14 +265,19 @@ class Runner {
   }
 
   // Fiber side (called from the kernel through executor.h).
-  TANDEM_EMU_UNCHECKED ThreadIndex index() const { return index_; }
+  TANDEM_EMU_UNCHECKED ThreadIndex index() const {
+    Unchecked unchecked;
+    return index_;
+  }
   TANDEM_EMU_UNCHECKED void wait_block() {
+    Unchecked unchecked;
     Slot& s = slots_[current_->thread];
     s.wait = Wait::Block;
     arrive_and_wait(s, &block_sync_[s.block_waits++ & 1]);
   }
   TANDEM_EMU_UNCHECKED uint64_t wait_warp(unsigned mask, uint64_t word, int src_lane,
                                           unsigned* ballot) {
+    Unchecked unchecked;
     Slot& s = slots_[current_->thread];
     s.wait = Wait::Warp;
     s.mask = mask;
@@ -256,8 +288,12 @@ class Runner {
     if (ballot != nullptr) *ballot = s.ballot;
     return s.result;
   }
-  TANDEM_EMU_UNCHECKED int lane() const { return current_->thread % kWarpSize; }
+  TANDEM_EMU_UNCHECKED int lane() const {
+    Unchecked unchecked;
+    return current_->thread % kWarpSize;
+  }
   TANDEM_EMU_UNCHECKED void* shared(const void* tag, size_t bytes) {
+    Unchecked unchecked;
     for (auto& a : shared_) {
       if (a.tag == tag) return a.data;
     }
@@ -267,32 +303,47 @@ class Runner {
     shared_.push_back({tag, data, bytes});
     return data;
   }
-  TANDEM_EMU_UNCHECKED void* dynamic() const { return dynamic_; }
+  TANDEM_EMU_UNCHECKED void* dynamic() const {
+    Unchecked unchecked;
+    return dynamic_;
+  }
 
   // The fiber loop: claims threads of the running block until one waits at a
   // barrier (the fiber then stays with it) or none is left.
   TANDEM_EMU_UNCHECKED void fiber_loop(Fiber* self) {
     for (;;) {
-      while (next_thread_ < threads_ && error_ == nullptr) {
-        int t = static_cast<int>(next_thread_++);
-        self->thread = t;
-        self->ran_in_block = true;
-        slots_[t].fiber = self;
-        set_index(t);
+      for (;;) {
+        int t = claim(self);
+        if (t < 0) break;
 #ifdef TANDEM_EMU_TSAN
         __tsan_acquire(&block_start_);
 #endif
         try {
           (*body_)();
         } catch (...) {
+          Unchecked unchecked;
           if (error_ == nullptr) error_ = std::current_exception();
         }
-        slots_[t].wait = Wait::Exited;
+        {
+          Unchecked unchecked;
+          slots_[t].wait = Wait::Exited;
+          self->thread = -1;
+        }
         if (kFiberPerThread) break;
       }
-      self->thread = -1;
       yield(self);
     }
+  }
+  // The block's next thread for `self`, or -1 when none is left.
+  TANDEM_EMU_UNCHECKED int claim(Fiber* self) {
+    Unchecked unchecked;
+    if (next_thread_ >= threads_ || error_ != nullptr) return -1;
+    int t = static_cast<int>(next_thread_++);
+    self->thread = t;
+    self->ran_in_block = true;
+    slots_[t].fiber = self;
+    set_index(t);
+    return t;
   }
   TANDEM_EMU_UNCHECKED void first_entry(Fiber* self) {
 #ifdef TANDEM_EMU_ASAN
