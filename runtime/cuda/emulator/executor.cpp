@@ -20,8 +20,10 @@
 // every departing one (two alternating sync addresses, so a fast thread's
 // next arrival cannot leak into a slow thread's departure), and a thread's
 // start acquires the block's start, released once by the scheduler before
-// the block's first thread runs. A shared-memory race between the threads of
-// a block is then a reported data race. The executor's own bookkeeping
+// the block's first thread runs. Creating a fiber orders it after its
+// creator's past, so the fibers a block needs are all created before it
+// starts. A shared-memory race between the threads of a block is then a
+// reported data race. The executor's own bookkeeping
 // (scheduler state, indices, exchange words) is touched on the fiber side only
 // inside an Unchecked scope, whose accesses TSan ignores, and in functions
 // marked TANDEM_EMU_UNCHECKED (not instrumented). Under ASan the
@@ -269,22 +271,34 @@ class Runner {
     Unchecked unchecked;
     return index_;
   }
+  // The Unchecked scopes end before the fiber yields: an abandoned fiber
+  // (after an error) must not die inside one.
   TANDEM_EMU_UNCHECKED void wait_block() {
-    Unchecked unchecked;
-    Slot& s = slots_[current_->thread];
-    s.wait = Wait::Block;
-    arrive_and_wait(s, &block_sync_[s.block_waits++ & 1]);
+    char* sync;
+    {
+      Unchecked unchecked;
+      Slot& s = slots_[current_->thread];
+      s.wait = Wait::Block;
+      sync = &block_sync_[s.block_waits++ & 1];
+    }
+    arrive_and_wait(sync);
   }
   TANDEM_EMU_UNCHECKED uint64_t wait_warp(unsigned mask, uint64_t word, int src_lane,
                                           unsigned* ballot) {
+    char* sync;
+    {
+      Unchecked unchecked;
+      Slot& s = slots_[current_->thread];
+      s.wait = Wait::Warp;
+      s.mask = mask;
+      s.word = word;
+      s.src_lane = src_lane;
+      int warp = current_->thread / kWarpSize;
+      sync = &warp_sync_[warp * 2 + (s.warp_waits++ & 1)];
+    }
+    arrive_and_wait(sync);
     Unchecked unchecked;
-    Slot& s = slots_[current_->thread];
-    s.wait = Wait::Warp;
-    s.mask = mask;
-    s.word = word;
-    s.src_lane = src_lane;
-    int warp = current_->thread / kWarpSize;
-    arrive_and_wait(s, &warp_sync_[warp * 2 + (s.warp_waits++ & 1)]);
+    const Slot& s = slots_[current_->thread];
     if (ballot != nullptr) *ballot = s.ballot;
     return s.result;
   }
@@ -373,7 +387,7 @@ class Runner {
     current_ = slots_[t].fiber;
   }
 
-  TANDEM_EMU_UNCHECKED void arrive_and_wait(Slot& s, char* sync) {
+  TANDEM_EMU_UNCHECKED void arrive_and_wait(char* sync) {
 #ifdef TANDEM_EMU_TSAN
     __tsan_release(sync);
 #endif
@@ -382,7 +396,8 @@ class Runner {
     __tsan_acquire(sync);
 #endif
     (void)sync;
-    s.wait = Wait::None;
+    Unchecked unchecked;
+    slots_[current_->thread].wait = Wait::None;
   }
 
   TANDEM_EMU_UNCHECKED void yield(Fiber* self) {
@@ -421,6 +436,10 @@ class Runner {
     for (auto& f : fibers_) {
       if (f->thread < 0 && !(kFiberPerThread && f->ran_in_block)) return f.get();
     }
+    return add_fiber();
+  }
+
+  TANDEM_EMU_UNCHECKED Fiber* add_fiber() {
     auto f = std::make_unique<Fiber>();
     f->mapping = mmap(nullptr, kStackBytes + kGuardBytes, PROT_READ | PROT_WRITE,
                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -452,6 +471,12 @@ class Runner {
       s = Slot{};
     for (auto& f : fibers_)
       f->ran_in_block = false;
+    // Under TSan every thread of the block gets its own fiber, created now:
+    // creating a fiber orders it after everything its creator has seen, so
+    // one created mid-block would be ordered after the threads that ran
+    // before it (Note [Emulator and ThreadSanitizer]).
+    while (kFiberPerThread && fibers_.size() < threads_)
+      add_fiber();
     for (auto& a : shared_)
       poison(a.data, a.bytes);
     poison(dynamic_, shape_.shared_bytes);
