@@ -57,7 +57,9 @@ __device__ void atomic_add(T* address, T v) {
     auto addr = reinterpret_cast<uintptr_t>(address);
     auto* word = reinterpret_cast<unsigned int*>(addr & ~uintptr_t{3});
     unsigned shift = (addr & 2u) ? 16u : 0u;
-    unsigned old = *word;
+    // Read atomically: a plain load would race with other threads' CAS on the
+    // word (a data race, reported by TSan on the emulated device).
+    unsigned old = atomicAdd(word, 0u);
     unsigned assumed;
     do {
       assumed = old;
