@@ -29,9 +29,9 @@
 // So that one source serves both, a kernel file never writes `<<<...>>>` or
 // `__shared__`: it launches through detail::launch and declares shared memory
 // with TANDEM_SHARED(type, name, count) / TANDEM_DYNAMIC_SHARED(type, name)
-// (`name` is an array under nvcc and a pointer in the emulation). cuBLAS is the
-// exception: gemm.cu is native only, tensor/cuda/emulated/gemm.cpp runs the
-// same GEMM contract on OpenBLAS.
+// (`name` is an array under nvcc and a pointer in the emulation); an unroll
+// hint is TANDEM_UNROLL. cuBLAS is the exception: gemm.cu is native only,
+// tensor/cuda/emulated/gemm.cpp runs the same GEMM contract on OpenBLAS.
 #pragma once
 
 // fmt 9 turns its constexpr support off under nvcc, which leaves its C++20
@@ -46,9 +46,11 @@
 #ifdef TANDEM_EMULATED_KERNELS
 #include "runtime/cuda/emulator/kernel_api.h"
 #define TANDEM_KERNEL_SET cuda_kernels::emulated
+#define TANDEM_UNROLL  // nvcc's hint; g++ before 13 cannot be told to ignore `#pragma unroll`
 #else
 #include <cuda_runtime.h>
 #define TANDEM_KERNEL_SET cuda_kernels::native
+#define TANDEM_UNROLL _Pragma("unroll")
 #define TANDEM_SHARED(type, name, count) __shared__ type name[count]
 #define TANDEM_DYNAMIC_SHARED(type, name)                                 \
   extern __shared__ __align__(16) unsigned char tandem_dynamic_shared_[]; \
@@ -244,14 +246,14 @@ struct OffsetCalc {
   int64_t strides[N][kMaxDims] = {};
 
   __device__ __forceinline__ void get(int64_t i, int64_t (&offsets)[N]) const {
-#pragma unroll
+TANDEM_UNROLL
     for (int k = 0; k < N; ++k)
       offsets[k] = 0;
     for (int d = ndim - 1; d >= 0; --d) {
       int64_t extent = shape[d];
       int64_t c = i % extent;
       i /= extent;
-#pragma unroll
+TANDEM_UNROLL
       for (int k = 0; k < N; ++k)
         offsets[k] += c * strides[k][d];
     }

@@ -43,9 +43,6 @@
 
 #include "runtime/cuda/emulator/executor.h"
 
-// The kernels' `#pragma unroll` hints are nvcc's; the host compiler may ignore them.
-#pragma GCC diagnostic ignored "-Wunknown-pragmas"
-
 #define __global__
 #define __device__
 #define __host__
