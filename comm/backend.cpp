@@ -33,7 +33,8 @@ std::string backend_from_env() {
 bool backend_available(const std::string& name) {
   if (name == "threads") return true;
   if (name == "mpi") return mpi_built();
-  if (name == "nccl") return nccl_built() && cuda_device_count() > 0;
+  // NCCL needs real GPUs: an emulated device (Note [CUDA backends]) does not count.
+  if (name == "nccl") return nccl_built() && cuda_device_count() > 0 && !cuda_emulated();
   return false;
 }
 

@@ -9,7 +9,9 @@ Device Device::cuda(int index) {
   int count = cuda_device_count();
   TANDEM_CHECK(index >= 0 && index < count,
                "[runtime::Device] expected a CUDA device index in [0, {}), got {}{}", count, index,
-               built_with_cuda() ? (count == 0 ? " (no GPU or driver on this machine)" : "")
+               built_with_cuda() ? (count == 0 ? " (no GPU or driver on this machine; "
+                                                 "TANDEM_CUDA=emulated runs an emulated one)"
+                                               : "")
                                  : " (built without CUDA)");
   return Device(DeviceType::Cuda, index);
 }
@@ -42,6 +44,9 @@ bool cuda_available() {
 }
 bool built_with_cuda() {
   return cuda_api::compiled();
+}
+bool cuda_emulated() {
+  return cuda_api::emulated();
 }
 
 Device default_device() {

@@ -41,8 +41,12 @@ class Device {
 // Number of usable GPUs; 0 without a driver, without a GPU, or built without CUDA.
 int cuda_device_count();
 bool cuda_available();
-// True when this binary was compiled with the CUDA kernels.
+// True when this binary was compiled with the CUDA kernels: nvcc's, or the
+// emulated device's (Note [CUDA backends] in runtime/cuda/cuda_api.h).
 bool built_with_cuda();
+// True when the CUDA devices of this process are emulated (TANDEM_CUDA=emulated
+// on a machine without a GPU).
+bool cuda_emulated();
 
 // The best device of this machine: cuda:0 when a GPU is present, else cpu.
 Device default_device();

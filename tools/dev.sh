@@ -48,6 +48,9 @@ suite_filter() {
 
 # The threaded suites again under ThreadSanitizer (its own build directory,
 # CUDA/MPI off; ccache keeps rebuilds cheap). TANDEM_SKIP_TSAN=1 skips it.
+# The CUDA cases run on the emulated device (TANDEM_CUDA=emulated, README
+# "The emulated CUDA device"), whose emulated threads TSan sees as fibers: a
+# shared-memory race in a kernel is a report here.
 tsan_build="${TANDEM_TSAN_BUILD_DIR:-$root/build-tsan}"
 tsan_suites=(runtime tensor comm autograd parallel train)
 run_tsan() {
@@ -63,7 +66,8 @@ run_tsan() {
   for s in "${tsan_suites[@]}"; do
     echo "tandem: ThreadSanitizer: $s"
     if ! TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$root/tools/tsan.supp" \
-        TANDEM_WAIT_TIMEOUT_S=300 "$tsan_build/tests/tandem-tests-$s" $(suite_filter "$s") --use-colour no \
+        TANDEM_WAIT_TIMEOUT_S=300 TANDEM_CUDA=emulated "$tsan_build/tests/tandem-tests-$s" \
+        $(suite_filter "$s") --use-colour no \
         -r junit -o "$tsan_build/tests/junit-tsan-$s.xml" >"$tsan_build/tests/tsan-$s.log" 2>&1; then
       echo "tandem: ThreadSanitizer run of $s failed (log: $tsan_build/tests/tsan-$s.log):"
       grep -m 5 -A 20 "WARNING: ThreadSanitizer" "$tsan_build/tests/tsan-$s.log" || tail -20 "$tsan_build/tests/tsan-$s.log"
@@ -77,7 +81,9 @@ run_tsan() {
 # (own build directory, CUDA/MPI off). UB is fatal (-fno-sanitize-recover),
 # LeakSanitizer is on (the intentionally leaked process-lifetime singletons
 # stay reachable from their static pointers, so it does not report them).
-# TANDEM_SKIP_ASAN=1 skips it.
+# The CUDA cases run on the emulated device (TANDEM_CUDA=emulated), whose
+# device memory is one malloc per allocation: a kernel's out-of-bounds access
+# is a report here. TANDEM_SKIP_ASAN=1 skips it.
 asan_build="${TANDEM_ASAN_BUILD_DIR:-$root/build-asan}"
 asan_suites=(runtime tensor autograd comm parallel train tools)
 sanitizer_env=(
@@ -100,7 +106,8 @@ run_asan() {
   local failed=0
   for s in "${asan_suites[@]}"; do
     echo "tandem: AddressSanitizer + UBSan: $s"
-    if ! env "${sanitizer_env[@]}" TANDEM_WAIT_TIMEOUT_S=300 "$asan_build/tests/tandem-tests-$s" \
+    if ! env "${sanitizer_env[@]}" TANDEM_WAIT_TIMEOUT_S=300 TANDEM_CUDA=emulated \
+        "$asan_build/tests/tandem-tests-$s" \
         $(suite_filter "$s") --use-colour no -r junit -o "$asan_build/tests/junit-asan-$s.xml" \
         >"$asan_build/tests/asan-$s.log" 2>&1; then
       echo "tandem: AddressSanitizer + UBSan run of $s failed (log: $asan_build/tests/asan-$s.log):"
@@ -136,14 +143,16 @@ run_suites() {
 # The tensor and autograd suites again from a build whose CPU kernels cannot
 # use AVX-512 (-Dcpu_arch=x86-64-v3: AVX2 and FMA, 16 vector registers; Note
 # [SIMD width] in tensor/cpu/simd.h), so the AVX2 path is tested whatever CPU
-# runs CI. Own build directory, CUDA/MPI off; ccache keeps rebuilds cheap.
+# runs CI. Own build directory, CUDA/MPI and the emulated device off (the
+# kernels it would compile a second time run in the other stages); ccache
+# keeps rebuilds cheap.
 # TANDEM_SKIP_AVX2=1 skips it.
 avx2_build="${TANDEM_AVX2_BUILD_DIR:-$root/build-avx2}"
 avx2_suites=(tensor autograd)
 run_avx2() {
   if [[ ! -f "$avx2_build/build.ninja" ]]; then
     meson setup "$avx2_build" "$root" -Dcpu_arch=x86-64-v3 -Dcuda=disabled -Dmpi=disabled \
-      -Dnccl=disabled >/dev/null
+      -Dnccl=disabled -Dgpu_emulator=disabled >/dev/null
   fi
   local targets=()
   for s in "${avx2_suites[@]}"; do targets+=("tests/tandem-tests-$s"); done
@@ -170,8 +179,8 @@ run_async() {
 # the normal build ($build/stage, through its relocatable tandem.pc), and
 # examples/subproject with this checkout as its subprojects/tandem (a copy of
 # the example in $examples_build/subproject-src whose subprojects/tandem links
-# here; CUDA and MPI off in that build of tandem). Each program exits non-zero
-# unless its loss falls. TANDEM_SKIP_EXAMPLES=1 skips it.
+# here; CUDA, MPI and the emulated device off in that build of tandem). Each
+# program exits non-zero unless its loss falls. TANDEM_SKIP_EXAMPLES=1 skips it.
 examples_build="${TANDEM_EXAMPLES_BUILD_DIR:-$root/build-examples}"
 run_examples() {
   local stage="$build/stage" failed=0
@@ -196,7 +205,7 @@ run_examples() {
   ln -sfn "$root" "$src/subprojects/tandem"
   if [[ ! -f "$examples_build/subproject/build.ninja" ]]; then
     meson setup "$examples_build/subproject" "$src" -Dtandem:cuda=disabled -Dtandem:mpi=disabled \
-      >/dev/null || failed=$((failed + 1))
+      -Dtandem:gpu_emulator=disabled >/dev/null || failed=$((failed + 1))
   fi
   if ! ninja -C "$examples_build/subproject" -j "$jobs" >/dev/null ||
       ! "$examples_build/subproject/mlp"; then
@@ -236,7 +245,7 @@ run_fuzz() {
     local cxx="clang++"
     command -v ccache >/dev/null && cxx="ccache clang++"
     CXX="$cxx" meson setup "$fuzz_build" "$root" -Dfuzz=true -Dcuda=disabled -Dmpi=disabled \
-      -Dnccl=disabled -Db_sanitize=address,undefined -Db_lundef=false \
+      -Dnccl=disabled -Dgpu_emulator=disabled -Db_sanitize=address,undefined -Db_lundef=false \
       -Dbuildtype=debugoptimized \
       "-Dcpp_args=-fno-sanitize-recover=undefined -fno-omit-frame-pointer" >/dev/null
   fi

@@ -458,6 +458,9 @@ ProcessGroupPtr nccl_world(ProcessGroupOptions options) {
   const int devices = cuda_device_count();
   TANDEM_CHECK(devices > 0, "[comm::nccl] expected a CUDA device on every rank, got none ({})",
                built_with_cuda() ? "no GPU or driver on this machine" : "built without CUDA");
+  TANDEM_CHECK(!cuda_emulated(),
+               "[comm::nccl] expected a real GPU on every rank, got the emulated CUDA device "
+               "(TANDEM_CUDA=emulated); NCCL cannot run on it");
   // The control plane: an MPI group over the same ranks, same options.
   ProcessGroupPtr control = mpi_world(options);
   const int rank = control->rank(), size = control->size();

@@ -1,8 +1,14 @@
 // TANDEM_CUDA_CHECK: names the failing CUDA call and its error string.
-// Included only by files compiled with the CUDA toolkit (Note [CUDA stubs]).
+// Included by files compiled with the CUDA toolkit (Note [CUDA stubs]) and by
+// the emulated kernel compilation, whose emulation header supplies the CUDA
+// names (Note [Two kernel compilations] in tensor/cuda/cuda_common.cuh).
 #pragma once
 
+#ifdef TANDEM_EMULATED_KERNELS
+#include "runtime/cuda/emulator/kernel_api.h"
+#else
 #include <cuda_runtime_api.h>
+#endif
 
 #include "runtime/error.h"
 

@@ -15,7 +15,7 @@
 // a zero output, lse = -inf and zero gradients, as on the CPU.
 #include "tensor/cuda/cuda_common.cuh"
 
-namespace tandem::cuda {
+namespace tandem::TANDEM_KERNEL_SET {
 namespace {
 
 constexpr int kAttnThreads = 128;
@@ -75,8 +75,8 @@ template <class V>
 __global__ void attention_forward_kernel(Geometry g, const V* q, Strides4 sq, const V* k,
                                          Strides4 sk, const V* v, Strides4 sv, V* out, Strides4 so,
                                          float* lse) {
-  __shared__ V shared[kAttnThreads];
-  __shared__ V p_chunk[kAttnThreads];
+  TANDEM_SHARED(V, shared, kAttnThreads);
+  TANDEM_SHARED(V, p_chunk, kAttnThreads);
   const V scale = static_cast<V>(g.scale);
   for (int64_t row = blockIdx.x; row < g.B * g.Hq * g.Sq; row += gridDim.x) {
     const int64_t i = row % g.Sq, h = (row / g.Sq) % g.Hq, b = row / (g.Sq * g.Hq);
@@ -138,8 +138,8 @@ __global__ void attention_dq_kernel(Geometry g, const V* q, Strides4 sq, const V
                                     const V* v, Strides4 sv, const V* o, Strides4 so,
                                     const float* lse, const V* dout, Strides4 sdo, V* dq,
                                     Strides4 sdq) {
-  __shared__ V shared[kAttnThreads];
-  __shared__ V ds_chunk[kAttnThreads];
+  TANDEM_SHARED(V, shared, kAttnThreads);
+  TANDEM_SHARED(V, ds_chunk, kAttnThreads);
   for (int64_t row = blockIdx.x; row < g.B * g.Hq * g.Sq; row += gridDim.x) {
     const int64_t i = row % g.Sq, h = (row / g.Sq) % g.Hq, b = row / (g.Sq * g.Hq);
     const int64_t hk = h / g.G;
@@ -183,8 +183,8 @@ __global__ void attention_dkv_kernel(Geometry g, const V* q, Strides4 sq, const 
                                      const V* v, Strides4 sv, const V* o, Strides4 so,
                                      const float* lse, const V* dout, Strides4 sdo, V* dk,
                                      Strides4 sdk, V* dv, Strides4 sdv) {
-  __shared__ V p_chunk[kAttnThreads];
-  __shared__ V ds_chunk[kAttnThreads];
+  TANDEM_SHARED(V, p_chunk, kAttnThreads);
+  TANDEM_SHARED(V, ds_chunk, kAttnThreads);
   for (int64_t row = blockIdx.x; row < g.B * g.Hkv * g.Sk; row += gridDim.x) {
     const int64_t j = row % g.Sk, hk = (row / g.Sk) % g.Hkv, b = row / (g.Sk * g.Hkv);
     const V* kj = k + b * sk.b + hk * sk.h + j * sk.s;
@@ -255,13 +255,12 @@ void attention(const AttentionArgs& args, const TensorArg& q, const TensorArg& k
   detail::StreamDeviceGuard guard(stream);
   dispatch_attention(q.dtype, "attention", [&](auto zero) {
     using V = decltype(zero);
-    attention_forward_kernel<V>
-        <<<grid_for(g.B * g.Hq * g.Sq), kAttnThreads, 0, detail::native(stream)>>>(
-            g, static_cast<const V*>(q.data), strides_of(q), static_cast<const V*>(k.data),
-            strides_of(k), static_cast<const V*>(v.data), strides_of(v), static_cast<V*>(out.data),
-            strides_of(out), static_cast<float*>(lse.data));
+    detail::launch(attention_forward_kernel<V>, grid_for(g.B * g.Hq * g.Sq), kAttnThreads, 0,
+                   stream, g, static_cast<const V*>(q.data), strides_of(q),
+                   static_cast<const V*>(k.data), strides_of(k), static_cast<const V*>(v.data),
+                   strides_of(v), static_cast<V*>(out.data), strides_of(out),
+                   static_cast<float*>(lse.data));
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void attention_backward(const AttentionArgs& args, const TensorArg& q, const TensorArg& k,
@@ -279,17 +278,14 @@ void attention_backward(const AttentionArgs& args, const TensorArg& q, const Ten
     const V* op = static_cast<const V*>(out.data);
     const V* dop = static_cast<const V*>(dout.data);
     const float* lp = static_cast<const float*>(lse.data);
-    attention_dq_kernel<V>
-        <<<grid_for(g.B * g.Hq * g.Sq), kAttnThreads, 0, detail::native(stream)>>>(
-            g, qp, strides_of(q), kp, strides_of(k), vp, strides_of(v), op, strides_of(out), lp,
-            dop, strides_of(dout), static_cast<V*>(dq.data), strides_of(dq));
-    attention_dkv_kernel<V>
-        <<<grid_for(g.B * g.Hkv * g.Sk), kAttnThreads, 0, detail::native(stream)>>>(
-            g, qp, strides_of(q), kp, strides_of(k), vp, strides_of(v), op, strides_of(out), lp,
-            dop, strides_of(dout), static_cast<V*>(dk.data), strides_of(dk),
-            static_cast<V*>(dv.data), strides_of(dv));
+    detail::launch(attention_dq_kernel<V>, grid_for(g.B * g.Hq * g.Sq), kAttnThreads, 0, stream, g,
+                   qp, strides_of(q), kp, strides_of(k), vp, strides_of(v), op, strides_of(out), lp,
+                   dop, strides_of(dout), static_cast<V*>(dq.data), strides_of(dq));
+    detail::launch(attention_dkv_kernel<V>, grid_for(g.B * g.Hkv * g.Sk), kAttnThreads, 0, stream,
+                   g, qp, strides_of(q), kp, strides_of(k), vp, strides_of(v), op, strides_of(out),
+                   lp, dop, strides_of(dout), static_cast<V*>(dk.data), strides_of(dk),
+                   static_cast<V*>(dv.data), strides_of(dv));
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
-}  // namespace tandem::cuda
+}  // namespace tandem::TANDEM_KERNEL_SET

@@ -15,7 +15,7 @@
 #include "tensor/cuda/cuda_common.cuh"
 #include "tensor/random.h"
 
-namespace tandem::cuda {
+namespace tandem::TANDEM_KERNEL_SET {
 namespace {
 
 using detail::cast_to;
@@ -89,9 +89,8 @@ void copy(const TensorArg& in, const TensorArg& out, void* stream) {
   auto launch = [&](auto* in_ptr, auto* out_ptr) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(in_ptr)>>;
     using U = std::remove_pointer_t<decltype(out_ptr)>;
-    copy_kernel<T, U>
-        <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
-            in_ptr, out_ptr, out.numel, contiguous, calc);
+    detail::launch(copy_kernel<T, U>, detail::blocks_for(out.numel), detail::kThreads, 0, stream,
+                   in_ptr, out_ptr, out.numel, contiguous, calc);
   };
   if (in.dtype == out.dtype) {
     // A same-dtype copy only moves bits: one instantiation per element width.
@@ -108,7 +107,6 @@ void copy(const TensorArg& in, const TensorArg& out, void* stream) {
       });
     });
   }
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void fill(const TensorArg& out, double value, void* stream) {
@@ -125,10 +123,9 @@ void fill(const TensorArg& out, double value, void* stream) {
     } else {
       v = static_cast<T>(static_cast<acc_t<T>>(value));
     }
-    fill_kernel<T><<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
-        static_cast<T*>(out.data), v, out.numel, out.contiguous, calc);
+    detail::launch(fill_kernel<T>, detail::blocks_for(out.numel), detail::kThreads, 0, stream,
+                   static_cast<T*>(out.data), v, out.numel, out.contiguous, calc);
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void arange(const TensorArg& out, double start, double step, void* stream) {
@@ -138,11 +135,9 @@ void arange(const TensorArg& out, double start, double step, void* stream) {
   auto calc = detail::make_offset_calc(args);
   dispatch_dtype(out.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    arange_kernel<T>
-        <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
-            static_cast<T*>(out.data), start, step, out.numel, out.contiguous, calc);
+    detail::launch(arange_kernel<T>, detail::blocks_for(out.numel), detail::kThreads, 0, stream,
+                   static_cast<T*>(out.data), start, step, out.numel, out.contiguous, calc);
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void random(const TensorArg& out, RandomKind kind, uint64_t seed, uint64_t offset, double a,
@@ -153,12 +148,10 @@ void random(const TensorArg& out, RandomKind kind, uint64_t seed, uint64_t offse
   auto calc = detail::make_offset_calc(args);
   dispatch_dtype(out.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    random_kernel<T>
-        <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
-            static_cast<T*>(out.data), kind, seed, offset, a, b, static_cast<float>(a),
-            static_cast<float>(b - a), out.numel, out.contiguous, calc);
+    detail::launch(random_kernel<T>, detail::blocks_for(out.numel), detail::kThreads, 0, stream,
+                   static_cast<T*>(out.data), kind, seed, offset, a, b, static_cast<float>(a),
+                   static_cast<float>(b - a), out.numel, out.contiguous, calc);
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
-}  // namespace tandem::cuda
+}  // namespace tandem::TANDEM_KERNEL_SET

@@ -11,6 +11,27 @@
 //   constructors of tensor/half.h so both backends round identically.
 // - OffsetCalc: the strided-index decomposition for up to N tensors sharing one
 //   shape, with adjacent dimensions coalesced on the host.
+// - launch: the one way a kernel is launched (Note [Two kernel compilations]).
+//
+// Note [Two kernel compilations]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every .cu file here is compiled twice from the same source:
+// - native: nvcc compiles the .cu files as they are (when CUDA is found),
+//   into namespace tandem::cuda_kernels::native, for a real GPU;
+// - emulated: the host compiler compiles tensor/cuda/emulated/*.cpp, each
+//   of which defines TANDEM_EMULATED_KERNELS and includes one .cu file, into
+//   namespace tandem::cuda_kernels::emulated, against runtime/cuda/emulator/kernel_api.h
+//   instead of <cuda_runtime.h> (Note [Emulated CUDA device]). It needs no CUDA
+//   header, so it builds where nvcc is absent (-Dgpu_emulator, on by default
+//   on x86-64).
+// tensor/cuda/backend.cpp defines the tandem::cuda kernels of tensor/kernels.h
+// and forwards each call to the set of the live backend (Note [CUDA backends]).
+// So that one source serves both, a kernel file never writes `<<<...>>>` or
+// `__shared__`: it launches through detail::launch and declares shared memory
+// with TANDEM_SHARED(type, name, count) / TANDEM_DYNAMIC_SHARED(type, name)
+// (`name` is an array under nvcc and a pointer in the emulation); an unroll
+// hint is TANDEM_UNROLL. cuBLAS is the exception: gemm.cu is native only,
+// tensor/cuda/emulated/gemm.cpp runs the same GEMM contract on OpenBLAS.
 #pragma once
 
 // fmt 9 turns its constexpr support off under nvcc, which leaves its C++20
@@ -22,24 +43,55 @@
 #define FMT_USE_CONSTEXPR 1
 #endif
 
+#ifdef TANDEM_EMULATED_KERNELS
+#include "runtime/cuda/emulator/kernel_api.h"
+#define TANDEM_KERNEL_SET cuda_kernels::emulated
+#define TANDEM_UNROLL  // nvcc's hint; g++ before 13 cannot be told to ignore `#pragma unroll`
+#else
 #include <cuda_runtime.h>
+#define TANDEM_KERNEL_SET cuda_kernels::native
+#define TANDEM_UNROLL _Pragma("unroll")
+#define TANDEM_SHARED(type, name, count) __shared__ type name[count]
+#define TANDEM_DYNAMIC_SHARED(type, name)                                 \
+  extern __shared__ __align__(16) unsigned char tandem_dynamic_shared_[]; \
+  type* name = reinterpret_cast<type*>(tandem_dynamic_shared_)
+#endif
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "runtime/cuda/cuda_check.h"
+#include "tensor/cuda/kernel_sets.h"
 #include "tensor/dtype.h"
 #include "tensor/half.h"
 #include "tensor/kernels.h"
 
-namespace tandem::cuda::detail {
+namespace tandem::TANDEM_KERNEL_SET::detail {
 
 constexpr int kThreads = 256;
 
 inline cudaStream_t native(void* stream) {
   return static_cast<cudaStream_t>(stream);
 }
+
+// kernel<<<grid, block, shared_bytes, stream>>>(args...) in both compilations
+// (Note [Two kernel compilations]); a launch error throws, naming the call.
+#ifdef TANDEM_EMULATED_KERNELS
+template <class... P, class... A>
+void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shared_bytes, void* stream,
+            A&&... args) {
+  emu::launch(kernel, grid, block, shared_bytes, stream, std::forward<A>(args)...);
+}
+#else
+template <class... P, class... A>
+void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shared_bytes, void* stream,
+            A&&... args) {
+  kernel<<<grid, block, shared_bytes, native(stream)>>>(std::forward<A>(args)...);
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+}
+#endif
 
 // Grid size for a grid-stride loop over n items. Capping keeps the block count
 // within gridDim.x limits for any n; 2^16 blocks of 256 threads are ~60 full
@@ -194,14 +246,14 @@ struct OffsetCalc {
   int64_t strides[N][kMaxDims] = {};
 
   __device__ __forceinline__ void get(int64_t i, int64_t (&offsets)[N]) const {
-#pragma unroll
+TANDEM_UNROLL
     for (int k = 0; k < N; ++k)
       offsets[k] = 0;
     for (int d = ndim - 1; d >= 0; --d) {
       int64_t extent = shape[d];
       int64_t c = i % extent;
       i /= extent;
-#pragma unroll
+TANDEM_UNROLL
       for (int k = 0; k < N; ++k)
         offsets[k] += c * strides[k][d];
     }
@@ -325,4 +377,4 @@ inline int row_threads(int64_t n, int cap = kThreads) {
   return threads;
 }
 
-}  // namespace tandem::cuda::detail
+}  // namespace tandem::TANDEM_KERNEL_SET::detail

@@ -8,7 +8,7 @@
 #include "tensor/cuda/cuda_common.cuh"
 #include "tensor/random.h"
 
-namespace tandem::cuda {
+namespace tandem::TANDEM_KERNEL_SET {
 namespace {
 
 using detail::cast_to;
@@ -224,12 +224,10 @@ void swiglu(const TensorArg& a, const TensorArg& b, const TensorArg& out, void* 
   detail::StreamDeviceGuard guard(stream);
   dispatch_floating(a.dtype, "swiglu", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    swiglu_kernel<T>
-        <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
-            static_cast<const T*>(a.data), static_cast<const T*>(b.data), static_cast<T*>(out.data),
-            out.numel);
+    detail::launch(swiglu_kernel<T>, detail::blocks_for(out.numel), detail::kThreads, 0, stream,
+                   static_cast<const T*>(a.data), static_cast<const T*>(b.data),
+                   static_cast<T*>(out.data), out.numel);
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void swiglu_backward(const TensorArg& a, const TensorArg& b, const TensorArg& g,
@@ -238,13 +236,11 @@ void swiglu_backward(const TensorArg& a, const TensorArg& b, const TensorArg& g,
   detail::StreamDeviceGuard guard(stream);
   dispatch_floating(a.dtype, "swiglu_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    swiglu_backward_kernel<T>
-        <<<detail::blocks_for(a.numel), detail::kThreads, 0, detail::native(stream)>>>(
-            static_cast<const T*>(a.data), static_cast<const T*>(b.data),
-            static_cast<const T*>(g.data), static_cast<T*>(da.data), static_cast<T*>(db.data),
-            a.numel);
+    detail::launch(swiglu_backward_kernel<T>, detail::blocks_for(a.numel), detail::kThreads, 0,
+                   stream, static_cast<const T*>(a.data), static_cast<const T*>(b.data),
+                   static_cast<const T*>(g.data), static_cast<T*>(da.data),
+                   static_cast<T*>(db.data), a.numel);
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void unary(UnaryOp op, const TensorArg& in, const TensorArg& out, void* stream) {
@@ -254,11 +250,10 @@ void unary(UnaryOp op, const TensorArg& in, const TensorArg& out, void* stream) 
   auto calc = detail::make_offset_calc(args);
   dispatch_dtype(in.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    unary_kernel<T><<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
-        op, static_cast<const T*>(in.data), static_cast<T*>(out.data), out.numel, in.contiguous,
-        calc);
+    detail::launch(unary_kernel<T>, detail::blocks_for(out.numel), detail::kThreads, 0, stream, op,
+                   static_cast<const T*>(in.data), static_cast<T*>(out.data), out.numel,
+                   in.contiguous, calc);
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void binary(BinaryOp op, const TensorArg& a, const TensorArg& b, const TensorArg& out,
@@ -272,10 +267,9 @@ void binary(BinaryOp op, const TensorArg& a, const TensorArg& b, const TensorArg
     using T = typename decltype(tag)::type;
     auto launch = [&](auto* out_ptr) {
       using O = std::remove_pointer_t<decltype(out_ptr)>;
-      binary_kernel<T, O>
-          <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
-              op, static_cast<const T*>(a.data), static_cast<const T*>(b.data), out_ptr, out.numel,
-              contiguous, calc);
+      detail::launch(binary_kernel<T, O>, detail::blocks_for(out.numel), detail::kThreads, 0,
+                     stream, op, static_cast<const T*>(a.data), static_cast<const T*>(b.data),
+                     out_ptr, out.numel, contiguous, calc);
     };
     if (is_comparison(op)) {
       launch(static_cast<bool*>(out.data));
@@ -283,7 +277,6 @@ void binary(BinaryOp op, const TensorArg& a, const TensorArg& b, const TensorArg
       launch(static_cast<T*>(out.data));
     }
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void binary_scalar(BinaryOp op, const TensorArg& a, double s, bool scalar_first,
@@ -296,10 +289,9 @@ void binary_scalar(BinaryOp op, const TensorArg& a, double s, bool scalar_first,
     using T = typename decltype(tag)::type;
     auto launch = [&](auto* out_ptr) {
       using O = std::remove_pointer_t<decltype(out_ptr)>;
-      binary_scalar_kernel<T, O>
-          <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
-              op, static_cast<const T*>(a.data), s, scalar_first, out_ptr, out.numel, a.contiguous,
-              calc);
+      detail::launch(binary_scalar_kernel<T, O>, detail::blocks_for(out.numel), detail::kThreads, 0,
+                     stream, op, static_cast<const T*>(a.data), s, scalar_first, out_ptr, out.numel,
+                     a.contiguous, calc);
     };
     if (is_comparison(op)) {
       launch(static_cast<bool*>(out.data));
@@ -307,7 +299,6 @@ void binary_scalar(BinaryOp op, const TensorArg& a, double s, bool scalar_first,
       launch(static_cast<T*>(out.data));
     }
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void where(const TensorArg& cond, const TensorArg& a, const TensorArg& b, const TensorArg& out,
@@ -320,11 +311,11 @@ void where(const TensorArg& cond, const TensorArg& a, const TensorArg& b, const 
   // where only moves elements: one instantiation per element width.
   detail::dispatch_width(out.dtype, [&](auto tag) {
     using U = typename decltype(tag)::type;
-    where_kernel<U><<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
-        static_cast<const bool*>(cond.data), static_cast<const U*>(a.data),
-        static_cast<const U*>(b.data), static_cast<U*>(out.data), out.numel, contiguous, calc);
+    detail::launch(where_kernel<U>, detail::blocks_for(out.numel), detail::kThreads, 0, stream,
+                   static_cast<const bool*>(cond.data), static_cast<const U*>(a.data),
+                   static_cast<const U*>(b.data), static_cast<U*>(out.data), out.numel, contiguous,
+                   calc);
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void dropout(const TensorArg& in, double p, uint64_t seed, uint64_t offset, const TensorArg& out,
@@ -333,12 +324,10 @@ void dropout(const TensorArg& in, double p, uint64_t seed, uint64_t offset, cons
   detail::StreamDeviceGuard guard(stream);
   dispatch_floating(in.dtype, "dropout", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dropout_kernel<T>
-        <<<detail::blocks_for(out.numel), detail::kThreads, 0, detail::native(stream)>>>(
-            static_cast<const T*>(in.data), static_cast<T*>(out.data), out.numel,
-            static_cast<float>(p), static_cast<acc_t<T>>(1.0 / (1.0 - p)), seed, offset);
+    detail::launch(dropout_kernel<T>, detail::blocks_for(out.numel), detail::kThreads, 0, stream,
+                   static_cast<const T*>(in.data), static_cast<T*>(out.data), out.numel,
+                   static_cast<float>(p), static_cast<acc_t<T>>(1.0 / (1.0 - p)), seed, offset);
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
-}  // namespace tandem::cuda
+}  // namespace tandem::TANDEM_KERNEL_SET

@@ -26,7 +26,7 @@
                  #expr, cublasGetStatusString(tandem_status_), static_cast<int>(tandem_status_)); \
   } while (0)
 
-namespace tandem::cuda {
+namespace tandem::TANDEM_KERNEL_SET {
 namespace {
 
 // RAII owner of one cuBLAS handle (STYLE: every native handle is an RAII type).
@@ -120,4 +120,4 @@ void gemm(const GemmArgs& args, void* stream) {
       args.stride_c, checked_int(args.batch, "batch"), types.compute, CUBLAS_GEMM_DEFAULT));
 }
 
-}  // namespace tandem::cuda
+}  // namespace tandem::TANDEM_KERNEL_SET

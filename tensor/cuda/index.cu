@@ -12,7 +12,7 @@
 // scatter_add skips it, one_hot leaves the row zero.
 #include "tensor/cuda/cuda_common.cuh"
 
-namespace tandem::cuda {
+namespace tandem::TANDEM_KERNEL_SET {
 namespace {
 
 template <class U, class I>
@@ -57,7 +57,9 @@ __device__ void atomic_add(T* address, T v) {
     auto addr = reinterpret_cast<uintptr_t>(address);
     auto* word = reinterpret_cast<unsigned int*>(addr & ~uintptr_t{3});
     unsigned shift = (addr & 2u) ? 16u : 0u;
-    unsigned old = *word;
+    // Read atomically: a plain load would race with other threads' CAS on the
+    // word (a data race, reported by TSan on the emulated device).
+    unsigned old = atomicAdd(word, 0u);
     unsigned assumed;
     do {
       assumed = old;
@@ -103,13 +105,12 @@ void index_select(const TensorArg& in, int64_t outer, int64_t n, int64_t inner,
     using I = typename decltype(index_tag)::type;
     detail::dispatch_width(in.dtype, [&](auto tag) {
       using U = typename decltype(tag)::type;
-      index_select_kernel<U, I>
-          <<<detail::blocks_for(total), detail::kThreads, 0, detail::native(stream)>>>(
-              static_cast<const U*>(in.data), n, inner, static_cast<const I*>(index.data),
-              index_stride, k, static_cast<U*>(out.data), total);
+      detail::launch(index_select_kernel<U, I>, detail::blocks_for(total), detail::kThreads, 0,
+                     stream, static_cast<const U*>(in.data), n, inner,
+                     static_cast<const I*>(index.data), index_stride, k, static_cast<U*>(out.data),
+                     total);
     });
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void gather(const TensorArg& in, int64_t outer, int64_t n, int64_t inner, const TensorArg& index,
@@ -121,13 +122,11 @@ void gather(const TensorArg& in, int64_t outer, int64_t n, int64_t inner, const 
     using I = typename decltype(index_tag)::type;
     detail::dispatch_width(in.dtype, [&](auto tag) {
       using U = typename decltype(tag)::type;
-      gather_kernel<U, I>
-          <<<detail::blocks_for(total), detail::kThreads, 0, detail::native(stream)>>>(
-              static_cast<const U*>(in.data), n, inner, static_cast<const I*>(index.data), k,
-              static_cast<U*>(out.data), total);
+      detail::launch(gather_kernel<U, I>, detail::blocks_for(total), detail::kThreads, 0, stream,
+                     static_cast<const U*>(in.data), n, inner, static_cast<const I*>(index.data), k,
+                     static_cast<U*>(out.data), total);
     });
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void scatter_add(const TensorArg& out, int64_t outer, int64_t n, int64_t inner,
@@ -139,13 +138,11 @@ void scatter_add(const TensorArg& out, int64_t outer, int64_t n, int64_t inner,
     using I = typename decltype(index_tag)::type;
     dispatch_dtype(out.dtype, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      scatter_add_kernel<T, I>
-          <<<detail::blocks_for(total), detail::kThreads, 0, detail::native(stream)>>>(
-              static_cast<T*>(out.data), n, inner, static_cast<const I*>(index.data), k,
-              static_cast<const T*>(src.data), total);
+      detail::launch(scatter_add_kernel<T, I>, detail::blocks_for(total), detail::kThreads, 0,
+                     stream, static_cast<T*>(out.data), n, inner, static_cast<const I*>(index.data),
+                     k, static_cast<const T*>(src.data), total);
     });
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void one_hot(const TensorArg& indices, int64_t n, int64_t classes, const TensorArg& out,
@@ -155,10 +152,10 @@ void one_hot(const TensorArg& indices, int64_t n, int64_t classes, const TensorA
   detail::StreamDeviceGuard guard(stream);
   detail::dispatch_index(indices.dtype, "one_hot", [&](auto index_tag) {
     using I = typename decltype(index_tag)::type;
-    one_hot_kernel<I><<<detail::blocks_for(total), detail::kThreads, 0, detail::native(stream)>>>(
-        static_cast<const I*>(indices.data), classes, static_cast<int64_t*>(out.data), total);
+    detail::launch(one_hot_kernel<I>, detail::blocks_for(total), detail::kThreads, 0, stream,
+                   static_cast<const I*>(indices.data), classes, static_cast<int64_t*>(out.data),
+                   total);
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
-}  // namespace tandem::cuda
+}  // namespace tandem::TANDEM_KERNEL_SET

@@ -1,11 +1,18 @@
-// Compiled instead of tensor/cuda/*.cu when CUDA is not found (Note [CUDA
-// stubs] in runtime/cuda/cuda_api.h): every CUDA kernel throws. No tensor can
-// live on a GPU in such a build (Device::cuda fails first), so these are
-// reached only through a front end that skipped its device check.
+// Compiled instead of a kernel set that is not built (Note [CUDA stubs] in
+// runtime/cuda/cuda_api.h, Note [Two kernel compilations]): every kernel
+// throws. cuda_kernels::native without nvcc; cuda_kernels::emulated (through
+// tensor/cuda/emulated/kernels_stub.cpp) with -Dgpu_emulator=disabled. No
+// tensor can live on a device whose backend is absent (Device::cuda fails
+// first), so these are reached only through a front end that skipped its
+// device check.
 #include "runtime/error.h"
-#include "tensor/kernels.h"
+#include "tensor/cuda/kernel_sets.h"
 
-namespace tandem::cuda {
+#ifndef TANDEM_KERNEL_SET
+#define TANDEM_KERNEL_SET cuda_kernels::native
+#endif
+
+namespace tandem::TANDEM_KERNEL_SET {
 namespace {
 [[noreturn]] void no_cuda(const char* kernel) {
   TANDEM_FAIL("[cuda::{}] expected a CUDA build, got a build without CUDA", kernel);
@@ -103,4 +110,4 @@ void one_hot(const TensorArg&, int64_t, int64_t, const TensorArg&, void*) {
   no_cuda("one_hot");
 }
 
-}  // namespace tandem::cuda
+}  // namespace tandem::TANDEM_KERNEL_SET

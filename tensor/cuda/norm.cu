@@ -9,7 +9,7 @@
 // (Note [Cascade summation]).
 #include "tensor/cuda/cuda_common.cuh"
 
-namespace tandem::cuda {
+namespace tandem::TANDEM_KERNEL_SET {
 namespace {
 
 using detail::load_as;
@@ -42,7 +42,7 @@ template <class T>
 __global__ void layer_norm_kernel(const T* x, Param weight, Param bias, double eps, int64_t rows,
                                   int64_t d, T* out, float* mean_out, float* rstd_out) {
   using V = acc_t<T>;
-  __shared__ V shared[detail::kThreads];
+  TANDEM_SHARED(V, shared, detail::kThreads);
   // As on the CPU: multiply by 1/d; an empty row gets mean 0, not NaN.
   const V inv_d = d > 0 ? V(1) / static_cast<V>(d) : V(0);
   auto add = [](V a, V b) { return a + b; };
@@ -75,7 +75,7 @@ template <class T>
 __global__ void rms_norm_kernel(const T* x, Param weight, double eps, int64_t rows, int64_t d,
                                 T* out, float* rstd_out) {
   using V = acc_t<T>;
-  __shared__ V shared[detail::kThreads];
+  TANDEM_SHARED(V, shared, detail::kThreads);
   // As on the CPU: multiply by 1/d; an empty row gets mean 0, not NaN.
   const V inv_d = d > 0 ? V(1) / static_cast<V>(d) : V(0);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -103,7 +103,7 @@ template <class T>
 __global__ void norm_backward_dx_kernel(const T* dy, const T* x, Param weight, const float* mean,
                                         const float* rstd, int64_t rows, int64_t d, T* dx) {
   using V = acc_t<T>;
-  __shared__ V shared[detail::kThreads];
+  TANDEM_SHARED(V, shared, detail::kThreads);
   const V inv_d = d > 0 ? V(1) / static_cast<V>(d) : V(0);
   auto add = [](V a, V b) { return a + b; };
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -160,12 +160,11 @@ void layer_norm(const TensorArg& x, const TensorArg& weight, const TensorArg& bi
   detail::StreamDeviceGuard guard(stream);
   dispatch_floating(x.dtype, "layer_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    layer_norm_kernel<T><<<row_blocks(rows), detail::row_threads(d), 0, detail::native(stream)>>>(
-        static_cast<const T*>(x.data), Param{weight.data, weight.dtype},
-        Param{bias.data, bias.dtype}, eps, rows, d, static_cast<T*>(out.data),
-        static_cast<float*>(mean.data), static_cast<float*>(rstd.data));
+    detail::launch(layer_norm_kernel<T>, row_blocks(rows), detail::row_threads(d), 0, stream,
+                   static_cast<const T*>(x.data), Param{weight.data, weight.dtype},
+                   Param{bias.data, bias.dtype}, eps, rows, d, static_cast<T*>(out.data),
+                   static_cast<float*>(mean.data), static_cast<float*>(rstd.data));
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void rms_norm(const TensorArg& x, const TensorArg& weight, double eps, int64_t rows, int64_t d,
@@ -174,11 +173,10 @@ void rms_norm(const TensorArg& x, const TensorArg& weight, double eps, int64_t r
   detail::StreamDeviceGuard guard(stream);
   dispatch_floating(x.dtype, "rms_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    rms_norm_kernel<T><<<row_blocks(rows), detail::row_threads(d), 0, detail::native(stream)>>>(
-        static_cast<const T*>(x.data), Param{weight.data, weight.dtype}, eps, rows, d,
-        static_cast<T*>(out.data), static_cast<float*>(rstd.data));
+    detail::launch(rms_norm_kernel<T>, row_blocks(rows), detail::row_threads(d), 0, stream,
+                   static_cast<const T*>(x.data), Param{weight.data, weight.dtype}, eps, rows, d,
+                   static_cast<T*>(out.data), static_cast<float*>(rstd.data));
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void norm_backward(const TensorArg& dy, const TensorArg& x, const TensorArg& weight,
@@ -191,20 +189,17 @@ void norm_backward(const TensorArg& dy, const TensorArg& x, const TensorArg& wei
     using T = typename decltype(tag)::type;
     using V = acc_t<T>;
     const float* mean_p = static_cast<const float*>(mean.data);
-    norm_backward_dx_kernel<T>
-        <<<row_blocks(rows), detail::row_threads(d), 0, detail::native(stream)>>>(
-            static_cast<const T*>(dy.data), static_cast<const T*>(x.data),
-            Param{weight.data, weight.dtype}, mean_p, static_cast<const float*>(rstd.data), rows, d,
-            static_cast<T*>(dx.data));
+    detail::launch(norm_backward_dx_kernel<T>, row_blocks(rows), detail::row_threads(d), 0, stream,
+                   static_cast<const T*>(dy.data), static_cast<const T*>(x.data),
+                   Param{weight.data, weight.dtype}, mean_p, static_cast<const float*>(rstd.data),
+                   rows, d, static_cast<T*>(dx.data));
     if (dweight.data != nullptr || dbias.data != nullptr) {
-      norm_backward_params_kernel<T>
-          <<<detail::blocks_for(d), detail::kThreads, 0, detail::native(stream)>>>(
-              static_cast<const T*>(dy.data), static_cast<const T*>(x.data), mean_p,
-              static_cast<const float*>(rstd.data), rows, d, static_cast<V*>(dweight.data),
-              static_cast<V*>(dbias.data));
+      detail::launch(norm_backward_params_kernel<T>, detail::blocks_for(d), detail::kThreads, 0,
+                     stream, static_cast<const T*>(dy.data), static_cast<const T*>(x.data), mean_p,
+                     static_cast<const float*>(rstd.data), rows, d, static_cast<V*>(dweight.data),
+                     static_cast<V*>(dbias.data));
     }
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
-}  // namespace tandem::cuda
+}  // namespace tandem::TANDEM_KERNEL_SET

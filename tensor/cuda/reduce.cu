@@ -17,7 +17,7 @@
 
 #include "tensor/cuda/cuda_common.cuh"
 
-namespace tandem::cuda {
+namespace tandem::TANDEM_KERNEL_SET {
 namespace {
 
 using detail::compute_t;
@@ -91,7 +91,7 @@ template <class T, class R>
 __global__ void reduce_block_kernel(R reducer, const T* in, int64_t outer, int64_t r, int64_t inner,
                                     void* out, DType out_dtype) {
   using S = typename R::S;
-  __shared__ S shared[detail::kThreads];
+  TANDEM_SHARED(S, shared, detail::kThreads);
   for (int64_t o = blockIdx.x; o < outer * inner; o += gridDim.x) {
     const T* base = in + (o / inner) * r * inner + o % inner;
     auto partial = reducer.start();
@@ -123,11 +123,11 @@ void launch_reduce(R reducer, const TensorArg& in, int64_t outer, int64_t r, int
   if (inner == 1 || outputs < kFewOutputs) {
     int threads = detail::row_threads(r);
     auto blocks = static_cast<unsigned>(std::min<int64_t>(outputs, int64_t{1} << 16));
-    reduce_block_kernel<T>
-        <<<blocks, threads, 0, stream>>>(reducer, data, outer, r, inner, out.data, out.dtype);
+    detail::launch(reduce_block_kernel<T, R>, blocks, threads, 0, stream, reducer, data, outer, r,
+                   inner, out.data, out.dtype);
   } else {
-    reduce_thread_kernel<T><<<detail::blocks_for(outputs), detail::kThreads, 0, stream>>>(
-        reducer, data, outer, r, inner, out.data, out.dtype);
+    detail::launch(reduce_thread_kernel<T, R>, detail::blocks_for(outputs), detail::kThreads, 0,
+                   stream, reducer, data, outer, r, inner, out.data, out.dtype);
   }
 }
 
@@ -161,7 +161,7 @@ __device__ void softmax_line(const T* in, T* out, int64_t r, int64_t inner, bool
 template <class T>
 __global__ void softmax_block_kernel(const T* in, T* out, int64_t outer, int64_t r, int64_t inner,
                                      bool log) {
-  __shared__ acc_t<T> shared[detail::kThreads];
+  TANDEM_SHARED(acc_t<T>, shared, detail::kThreads);
   for (int64_t o = blockIdx.x; o < outer * inner; o += gridDim.x) {
     int64_t base = (o / inner) * r * inner + o % inner;
     softmax_line<T, true>(in + base, out + base, r, inner, log, threadIdx.x, blockDim.x, shared);
@@ -184,7 +184,7 @@ template <class T>
 __global__ void cumsum_block_kernel(const T* in, void* out, DType out_dtype, int64_t rows,
                                     int64_t r) {
   using S = sum_t<T>;
-  __shared__ S tile[detail::kThreads];
+  TANDEM_SHARED(S, tile, detail::kThreads);
   int tid = threadIdx.x;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     detail::CascadeSum<S> carry;
@@ -244,7 +244,6 @@ void reduce(ReduceOp op, const TensorArg& in, int64_t outer, int64_t r, int64_t 
       }
     }
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void softmax(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, bool log,
@@ -258,15 +257,13 @@ void softmax(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, bool 
     int64_t lines = outer * inner;
     if (inner == 1 || lines < kFewOutputs) {
       auto blocks = static_cast<unsigned>(std::min<int64_t>(lines, int64_t{1} << 16));
-      softmax_block_kernel<T><<<blocks, detail::row_threads(r), 0, detail::native(stream)>>>(
-          x, y, outer, r, inner, log);
+      detail::launch(softmax_block_kernel<T>, blocks, detail::row_threads(r), 0, stream, x, y,
+                     outer, r, inner, log);
     } else {
-      softmax_thread_kernel<T>
-          <<<detail::blocks_for(lines), detail::kThreads, 0, detail::native(stream)>>>(
-              x, y, outer, r, inner, log);
+      detail::launch(softmax_thread_kernel<T>, detail::blocks_for(lines), detail::kThreads, 0,
+                     stream, x, y, outer, r, inner, log);
     }
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void cumsum(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, const TensorArg& out,
@@ -280,15 +277,13 @@ void cumsum(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, const 
     // scanned by one thread each.
     if (inner == 1 && r >= 64) {
       auto blocks = static_cast<unsigned>(std::min<int64_t>(outer, int64_t{1} << 16));
-      cumsum_block_kernel<T><<<blocks, detail::row_threads(r), 0, detail::native(stream)>>>(
-          x, out.data, out.dtype, outer, r);
+      detail::launch(cumsum_block_kernel<T>, blocks, detail::row_threads(r), 0, stream, x, out.data,
+                     out.dtype, outer, r);
     } else {
-      cumsum_thread_kernel<T>
-          <<<detail::blocks_for(outer * inner), detail::kThreads, 0, detail::native(stream)>>>(
-              x, out.data, out.dtype, outer, r, inner);
+      detail::launch(cumsum_thread_kernel<T>, detail::blocks_for(outer * inner), detail::kThreads,
+                     0, stream, x, out.data, out.dtype, outer, r, inner);
     }
   });
-  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
-}  // namespace tandem::cuda
+}  // namespace tandem::TANDEM_KERNEL_SET

@@ -15,7 +15,7 @@
 // permuting an index array and reading keys through it. topk keeps the first k.
 #include "tensor/cuda/cuda_common.cuh"
 
-namespace tandem::cuda {
+namespace tandem::TANDEM_KERNEL_SET {
 namespace {
 
 using detail::compute_t;
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(detail::kMaxBlock)
     sort_shared_kernel(const T* in, int64_t rows, int64_t n, int64_t p, bool descending,
                        int64_t keep, T* values, int64_t* indices) {
   using K = compute_t<T>;
-  extern __shared__ __align__(16) unsigned char smem[];
+  TANDEM_DYNAMIC_SHARED(unsigned char, smem);
   K* keys = reinterpret_cast<K*>(smem);
   int32_t* idx = reinterpret_cast<int32_t*>(keys + p);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -142,9 +142,8 @@ void sort_rows(const TensorArg& in, int64_t rows, int64_t n, int64_t keep, bool 
     if (shared_bytes <= kSharedBytes) {
       int threads = static_cast<int>(std::clamp<int64_t>(p / 2, 32, detail::kMaxBlock));
       auto blocks = static_cast<unsigned>(std::min<int64_t>(rows, int64_t{1} << 16));
-      sort_shared_kernel<T><<<blocks, threads, shared_bytes, stream>>>(x, rows, n, p, descending,
-                                                                       keep, vals, indices);
-      TANDEM_CUDA_CHECK(cudaGetLastError());
+      detail::launch(sort_shared_kernel<T>, blocks, threads, shared_bytes, stream, x, rows, n, p,
+                     descending, keep, vals, indices);
       return;
     }
     // Long rows: permute a (rows, n) index array in place. argsort sorts its
@@ -157,20 +156,17 @@ void sort_rows(const TensorArg& in, int64_t rows, int64_t n, int64_t keep, bool 
       TANDEM_CUDA_CHECK(cudaMallocAsync(&buffer, rows * n * sizeof(int64_t), stream));
       idx = static_cast<int64_t*>(buffer);
     }
-    iota_rows_kernel<<<detail::blocks_for(rows * n), detail::kThreads, 0, stream>>>(idx, n,
-                                                                                    rows * n);
-    TANDEM_CUDA_CHECK(cudaGetLastError());
+    detail::launch(iota_rows_kernel, detail::blocks_for(rows * n), detail::kThreads, 0, stream, idx,
+                   n, rows * n);
     for (int64_t size = 2; size <= p; size *= 2) {
       for (int64_t stride = size / 2; stride > 0; stride /= 2) {
-        sort_stage_kernel<T><<<detail::blocks_for(rows * (p / 2)), detail::kThreads, 0, stream>>>(
-            x, idx, rows, n, p, size, stride, descending);
-        TANDEM_CUDA_CHECK(cudaGetLastError());
+        detail::launch(sort_stage_kernel<T>, detail::blocks_for(rows * (p / 2)), detail::kThreads,
+                       0, stream, x, idx, rows, n, p, size, stride, descending);
       }
     }
     if (vals != nullptr && keep > 0) {
-      take_first_kernel<T><<<detail::blocks_for(rows * keep), detail::kThreads, 0, stream>>>(
-          x, idx, rows, n, keep, vals, indices);
-      TANDEM_CUDA_CHECK(cudaGetLastError());
+      detail::launch(take_first_kernel<T>, detail::blocks_for(rows * keep), detail::kThreads, 0,
+                     stream, x, idx, rows, n, keep, vals, indices);
     }
     if (scratch) TANDEM_CUDA_CHECK(cudaFreeAsync(idx, stream));
   });
@@ -194,4 +190,4 @@ void argsort(const TensorArg& in, int64_t rows, int64_t n, bool descending,
             detail::native(stream));
 }
 
-}  // namespace tandem::cuda
+}  // namespace tandem::TANDEM_KERNEL_SET

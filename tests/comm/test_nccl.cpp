@@ -31,6 +31,10 @@ bool skip_without_gpu() {
     std::cout << "SKIP: no CUDA device" << std::endl;
     return true;
   }
+  if (cuda_emulated()) {
+    std::cout << "SKIP: NCCL needs a real GPU, the CUDA device is emulated" << std::endl;
+    return true;
+  }
   return false;
 }
 

@@ -1,8 +1,8 @@
-// Compiled instead of cuda_api.cpp when CUDA is not found (Note [CUDA stubs]).
-#include "runtime/cuda/cuda_api.h"
+// Compiled instead of cuda_native.cpp when CUDA is not found (Note [CUDA stubs]).
+#include "runtime/cuda/backends.h"
 #include "runtime/error.h"
 
-namespace tandem::cuda_api {
+namespace tandem::cuda_backend::native {
 namespace {
 [[noreturn]] void no_cuda(const char* what) {
   TANDEM_FAIL("[cuda::{}] expected a CUDA build, got a build without CUDA", what);
@@ -66,4 +66,4 @@ void memset_async(void*, int, size_t, void*) {
   no_cuda("memset_async");
 }
 
-}  // namespace tandem::cuda_api
+}  // namespace tandem::cuda_backend::native

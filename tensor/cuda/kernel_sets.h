@@ -1,0 +1,15 @@
+// The two sets of CUDA kernels (Note [Two kernel compilations] in
+// tensor/cuda/cuda_common.cuh): cuda_kernels::native from nvcc, ::emulated from the
+// host compiler against the emulation header. tensor/cuda/backend.cpp
+// forwards the tandem::cuda kernels of tensor/kernels.h to one of them.
+#pragma once
+
+#include "tensor/kernels.h"
+
+namespace tandem::cuda_kernels::native {
+TANDEM_DECLARE_KERNELS(, void* stream)
+}  // namespace tandem::cuda_kernels::native
+
+namespace tandem::cuda_kernels::emulated {
+TANDEM_DECLARE_KERNELS(, void* stream)
+}  // namespace tandem::cuda_kernels::emulated
