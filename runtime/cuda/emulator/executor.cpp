@@ -75,6 +75,7 @@ extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
 #define TANDEM_EMU_UNCHECKED
 #endif
 #ifdef TANDEM_EMU_ASAN
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
@@ -456,6 +457,11 @@ class Runner {
 
   // A fresh context at the fiber's entry (also after an error abandoned it).
   TANDEM_EMU_UNCHECKED void reset(Fiber* f) {
+#ifdef TANDEM_EMU_ASAN
+    // The stack may hold an abandoned thread's frames, or be a mapping an
+    // exited thread's fiber stack had: clear their redzones from ASan's shadow.
+    __asan_unpoison_memory_region(f->stack(), kStackBytes);
+#endif
     make_context(f->context, f->stack(), kStackBytes, entry);
 #ifdef TANDEM_EMU_TSAN
     if (f->tsan != nullptr) __tsan_destroy_fiber(f->tsan);
