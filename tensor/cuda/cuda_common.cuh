@@ -246,14 +246,14 @@ struct OffsetCalc {
   int64_t strides[N][kMaxDims] = {};
 
   __device__ __forceinline__ void get(int64_t i, int64_t (&offsets)[N]) const {
-TANDEM_UNROLL
+    TANDEM_UNROLL
     for (int k = 0; k < N; ++k)
       offsets[k] = 0;
     for (int d = ndim - 1; d >= 0; --d) {
       int64_t extent = shape[d];
       int64_t c = i % extent;
       i /= extent;
-TANDEM_UNROLL
+      TANDEM_UNROLL
       for (int k = 0; k < N; ++k)
         offsets[k] += c * strides[k][d];
     }

@@ -449,26 +449,33 @@ TEST_CASE("CUDA topk and argsort match the CPU's stable order", "[cuda]") {
   // Few distinct values, so ties are everywhere and the tie order is tested.
   // 5000- and 10000-long rows exceed shared memory: the global-memory path.
   // On the emulated device each of the ~100 launches of a long row's network
-  // runs thousands of host fibers, so there one row of each length class is
-  // sorted (the same paths: shared memory at 4096, global memory at 5000).
+  // runs thousands of host fibers (tens of microseconds each under TSan), so
+  // there one row of each length class is sorted (the same paths: shared
+  // memory at 4096, global memory at 5000), the global-memory row by argsort
+  // ascending and topk descending only.
+  const bool emulated = cuda_emulated();
   const std::vector<Shape> shapes =
-      cuda_emulated() ? std::vector<Shape>{{6, 37}, {3, 1}, {1, 4096}, {1, 5000}}
-                      : std::vector<Shape>{{6, 37}, {3, 1}, {2, 4096}, {2, 5000}, {1, 10000}};
+      emulated ? std::vector<Shape>{{6, 37}, {3, 1}, {1, 4096}, {1, 5000}}
+               : std::vector<Shape>{{6, 37}, {3, 1}, {2, 4096}, {2, 5000}, {1, 10000}};
   for (DType dt : {DType::F32, DType::F64, DType::BF16, DType::F16, DType::I32, DType::I64}) {
     for (const Shape& shape : shapes) {
       INFO(dtype_name(dt) << " " << shape.str());
       Tensor x = ops::to(random_tensor(shape, DType::I32, 27, 0.0, 4.0), dt);
       Tensor gx = gpu(x);
+      const bool thin = emulated && shape.back() > 4096;
       for (bool descending : {false, true}) {
         INFO("descending " << descending);
-        check_same(ops::argsort(x, -1, descending), ops::argsort(gx, -1, descending));
+        if (!thin || !descending) {
+          check_same(ops::argsort(x, -1, descending), ops::argsort(gx, -1, descending));
+        }
+        if (thin && !descending) continue;
         int64_t k = std::min<int64_t>(5, shape.back());
         auto [values, indices] = ops::topk(x, k, -1, descending);
         auto [gvalues, gindices] = ops::topk(gx, k, -1, descending);
         check_same(values, gvalues);
         check_same(indices, gindices);
       }
-      check_same(ops::argsort(x, 0), ops::argsort(gx, 0));
+      if (!thin) check_same(ops::argsort(x, 0), ops::argsort(gx, 0));
     }
   }
   Tensor distinct = random_tensor({4, 300}, DType::F32, 28);

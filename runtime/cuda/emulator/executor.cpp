@@ -75,6 +75,7 @@ extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
 #define TANDEM_EMU_UNCHECKED
 #endif
 #ifdef TANDEM_EMU_ASAN
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
@@ -206,8 +207,7 @@ struct Fiber {
   void* mapping = nullptr;  // guard page, then the stack
   void* tsan = nullptr;
   void* asan_fake_stack = nullptr;
-  int thread = -1;            // the emulated thread it runs, -1 when idle
-  bool ran_in_block = false;  // under TSan a fiber serves one thread per block
+  int thread = -1;  // the emulated thread it runs, -1 when idle
   Fiber() = default;
   Fiber(const Fiber&) = delete;
   Fiber& operator=(const Fiber&) = delete;
@@ -354,7 +354,6 @@ class Runner {
     if (next_thread_ >= threads_ || error_ != nullptr) return -1;
     int t = static_cast<int>(next_thread_++);
     self->thread = t;
-    self->ran_in_block = true;
     slots_[t].fiber = self;
     set_index(t);
     return t;
@@ -430,13 +429,18 @@ class Runner {
 #endif
   }
 
-  // An idle fiber; under TSan one that has not run a thread of this block, so
-  // that no two emulated threads share a fiber's program order.
+  // An idle fiber from idle_ (a new one when none is left). Under TSan a
+  // fiber goes back to idle_ only when the next block starts, so that no two
+  // emulated threads of a block share a fiber's program order.
   TANDEM_EMU_UNCHECKED Fiber* idle_fiber() {
-    for (auto& f : fibers_) {
-      if (f->thread < 0 && !(kFiberPerThread && f->ran_in_block)) return f.get();
-    }
-    return add_fiber();
+    if (idle_.empty()) return add_fiber();
+    Fiber* f = idle_.back();
+    idle_.pop_back();
+    return f;
+  }
+  // After a fiber has handed control back: an idle one is free again.
+  TANDEM_EMU_UNCHECKED void returned(Fiber* f) {
+    if (f->thread < 0 && !kFiberPerThread) idle_.push_back(f);
   }
 
   TANDEM_EMU_UNCHECKED Fiber* add_fiber() {
@@ -453,6 +457,11 @@ class Runner {
 
   // A fresh context at the fiber's entry (also after an error abandoned it).
   TANDEM_EMU_UNCHECKED void reset(Fiber* f) {
+#ifdef TANDEM_EMU_ASAN
+    // The stack may hold an abandoned thread's frames, or be a mapping an
+    // exited thread's fiber stack had: clear their redzones from ASan's shadow.
+    __asan_unpoison_memory_region(f->stack(), kStackBytes);
+#endif
     make_context(f->context, f->stack(), kStackBytes, entry);
 #ifdef TANDEM_EMU_TSAN
     if (f->tsan != nullptr) __tsan_destroy_fiber(f->tsan);
@@ -469,14 +478,15 @@ class Runner {
     next_thread_ = 0;
     for (auto& s : slots_)
       s = Slot{};
-    for (auto& f : fibers_)
-      f->ran_in_block = false;
     // Under TSan every thread of the block gets its own fiber, created now:
     // creating a fiber orders it after everything its creator has seen, so
     // one created mid-block would be ordered after the threads that ran
     // before it (Note [Emulator and ThreadSanitizer]).
     while (kFiberPerThread && fibers_.size() < threads_)
       add_fiber();
+    idle_.clear();
+    for (auto& f : fibers_)
+      idle_.push_back(f.get());
     for (auto& a : shared_)
       poison(a.data, a.bytes);
     poison(dynamic_, shape_.shared_bytes);
@@ -489,6 +499,7 @@ class Runner {
         Fiber* f = idle_fiber();
         starting_ = f;
         resume(f);
+        returned(f);
       }
       if (error_ != nullptr) break;
       std::vector<int> ready;
@@ -501,7 +512,9 @@ class Runner {
       if (ready.empty()) break;
       if (round % 2 == 1) std::reverse(ready.begin(), ready.end());
       for (int t : ready) {
-        resume(slots_[t].fiber);
+        Fiber* f = slots_[t].fiber;
+        resume(f);
+        returned(f);
         if (error_ != nullptr) break;
       }
       if (error_ != nullptr) break;
@@ -583,6 +596,7 @@ class Runner {
   const void* scheduler_stack_ = nullptr;
   size_t scheduler_stack_size_ = 0;
   std::vector<std::unique_ptr<Fiber>> fibers_;
+  std::vector<Fiber*> idle_;  // fibers free to start a thread of the running block
   Fiber* current_ = nullptr;
   Fiber* starting_ = nullptr;
 
