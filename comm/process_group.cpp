@@ -98,7 +98,9 @@ WorkPtr ProcessGroup::issue(Collective c, std::vector<Tensor> keep) {
     outputs.push_back(t);
   c.work->set_outputs(std::move(outputs));
   if (!keep.empty()) c.work->keep_alive(std::move(keep));
-  Device device = c.input.defined() ? c.input.device() : Device::cpu();
+  Device device = c.input.defined() ? c.input.device()
+                  : c.p2p.empty()   ? Device::cpu()
+                                    : c.p2p.front().tensor.device();
   // An inline CPU stream has run everything before this call: an event
   // recorded there would be complete at once, and one never recorded is.
   // So has an idle async one, whose record would still be queued behind
@@ -253,6 +255,10 @@ WorkPtr ProcessGroup::batch_isend_irecv(const std::vector<P2POp>& ops_in, const 
     TANDEM_CHECK(op.peer >= 0 && op.peer < size_ && op.peer != rank_,
                  "[comm::p2p] expected a peer in [0, {}) other than self ({}), got {} ({})", size_,
                  rank_, op.peer, where());
+    TANDEM_CHECK(op.tensor.device() == ops_in.front().tensor.device(),
+                 "[comm::p2p] expected every op of a batch on one device, got {} (first op) and "
+                 "{} ({})",
+                 ops_in.front().tensor.device(), op.tensor.device(), where());
     P2POp copy = op;
     if (op.kind == P2POp::Kind::Send) {
       copy.tensor = ops::contiguous(op.tensor);

@@ -97,9 +97,12 @@ void Work::synchronize() {
 
 void Work::wait() {
   // CPU: an inline stream is the caller; an async stream waits in its queue.
+  // A CUDA output of a host-side backend (threads, Note [Threads ranks on one
+  // CUDA device]) is complete when the Work is: the caller waits for that, so
+  // its stream only runs later work on finished data.
   Device device = outputs_.empty() || !outputs_[0].defined() ? Device::cpu() : outputs_[0].device();
-  const Stream& stream = current_stream(device.is_cpu() ? device : Device::cpu());
-  if (stream.is_inline()) {
+  const Stream& stream = current_stream(Device::cpu());
+  if (!device.is_cpu() || stream.is_inline()) {
     synchronize();
     return;
   }

@@ -149,8 +149,8 @@ struct RingAttention final : Function {
     const Shape& qs = q.shape();
     std::vector<Tensor> out(qp.size()), lse(qp.size());
     for (size_t i = 0; i < qp.size(); ++i) {
-      out[i] = ops::zeros({qs[0], qs[1], qp[i].length, qs[3]}, DType::F32);
-      lse[i] = ops::full({qs[0], qs[1], qp[i].length}, -kInf, DType::F32);
+      out[i] = ops::zeros({qs[0], qs[1], qp[i].length, qs[3]}, DType::F32, q.device());
+      lse[i] = ops::full({qs[0], qs[1], qp[i].length}, -kInf, DType::F32, q.device());
     }
     Tensor cur_k = pad(k, max_len), cur_v = pad(v, max_len);
     for (int s = 0; s < n; ++s) {
@@ -189,9 +189,10 @@ struct RingAttention final : Function {
     const int64_t max_len = *std::max_element(lengths.begin(), lengths.end());
     std::vector<SeqPiece> qp = pieces(me);
     std::vector<int64_t> qo = local_offsets(qp);
-    Tensor dq = ops::zeros(saved_q.shape(), DType::F32);
+    Tensor dq = ops::zeros(saved_q.shape(), DType::F32, saved_q.device());
     Tensor cur_k = pad(saved_k, max_len), cur_v = pad(saved_v, max_len);
-    Tensor dk = ops::zeros(cur_k.shape(), DType::F32), dv = ops::zeros(cur_v.shape(), DType::F32);
+    Tensor dk = ops::zeros(cur_k.shape(), DType::F32, cur_k.device()),
+           dv = ops::zeros(cur_v.shape(), DType::F32, cur_v.device());
     for (int s = 0; s < n; ++s) {
       const int src = (me - s + n) % n;
       std::vector<SeqPiece> kp = pieces(src);

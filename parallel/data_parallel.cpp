@@ -112,7 +112,7 @@ double clip_grad_norm(const std::vector<Tensor>& params, const DeviceMesh& mesh,
 
 std::vector<double> sum_over(const DeviceMesh& mesh, const std::vector<std::string>& dims,
                              const std::vector<double>& values) {
-  Tensor t = ops::from_vector(values, Shape{static_cast<int64_t>(values.size())});
+  Tensor t = ops::from_vector(values, Shape{static_cast<int64_t>(values.size())}, mesh.device());
   if (ranks_over(mesh, dims) > 1) t = all_reduced(t, mesh.group_over(dims), RedOp::Sum, "values");
   return t.to_vector<double>();
 }

@@ -107,7 +107,8 @@ DTensor DTensor::from_local(const Tensor& local, const DeviceMesh& mesh, Placeme
     for (int m = mesh.ndim() - 1; m >= 0; --m) {
       if (!p[m].is_shard()) continue;
       int d = static_cast<int>(p[m].dim);
-      Tensor extent = ops::full(Shape{1}, static_cast<double>(global[d]), DType::I64);
+      Tensor extent =
+          ops::full(Shape{1}, static_cast<double>(global[d]), DType::I64, local.device());
       WorkPtr w = mesh.get_group(m)->all_reduce(extent, {RedOp::Sum, "from_local extent"});
       w->synchronize();
       global[d] = w->result().item<int64_t>();

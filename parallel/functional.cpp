@@ -87,8 +87,9 @@ Tensor PendingTensor::wait() {
 
 std::vector<int64_t> gather_lengths(const Tensor& x, const ProcessGroupPtr& group, int64_t dim) {
   int d = wrap_dim(dim, x.dim(), "gather_lengths");
-  WorkPtr w = group->all_gather(ops::full(Shape{1}, static_cast<double>(x.shape()[d]), DType::I64),
-                                {0, "lengths"});
+  WorkPtr w = group->all_gather(
+      ops::full(Shape{1}, static_cast<double>(x.shape()[d]), DType::I64, x.device()),
+      {0, "lengths"});
   w->wait();
   return w->result().to_vector<int64_t>();
 }

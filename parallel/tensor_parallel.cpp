@@ -29,7 +29,7 @@ Shape global_of(const Tensor& local, const Placement& p, const DeviceMesh& mesh)
     // chunk semantics: recover the global extent from the local ones (even
     // split assumed unless this is the last, shorter chunk — ask the group).
     WorkPtr w = mesh.get_group()->all_reduce(
-        ops::full(Shape{1}, static_cast<double>(local.shape()[d]), DType::I64),
+        ops::full(Shape{1}, static_cast<double>(local.shape()[d]), DType::I64, local.device()),
         {RedOp::Sum, "global extent"});
     w->synchronize();
     g[d] = w->result().item<int64_t>();

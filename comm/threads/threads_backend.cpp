@@ -18,7 +18,6 @@
 #include "runtime/logging.h"
 #include "runtime/task_queue.h"
 #include "runtime/trace.h"
-#include "tensor/cpu/copy_bytes.h"
 #include "tensor/dtype.h"
 
 namespace tandem {
@@ -543,17 +542,19 @@ class ThreadsProcessGroup final : public ProcessGroup {
       Message m = std::move(box.front());
       box.pop_front();
       lock.unlock();
-      if (m.data.shape() != out.shape() || m.data.dtype() != out.dtype()) {
+      if (m.data.shape() != out.shape() || m.data.dtype() != out.dtype() ||
+          m.data.device() != out.device()) {
         m.consumed->store(true);
         {
           std::lock_guard<std::mutex> relock(g.mu);  // no lost wake-up of the sender
           g.cv.notify_all();
         }
-        TANDEM_FAIL("[comm::recv] {}: rank {} sent {} {} but rank {} expected {} {} (tag {})",
-                    where(), op.peer, dtype_name(m.data.dtype()), m.data.shape(), rank(),
-                    dtype_name(out.dtype()), out.shape(), op.tag_id);
+        TANDEM_FAIL(
+            "[comm::recv] {}: rank {} sent {} {} on {} but rank {} expected {} {} on {} (tag {})",
+            where(), op.peer, dtype_name(m.data.dtype()), m.data.shape(), m.data.device(), rank(),
+            dtype_name(out.dtype()), out.shape(), out.device(), op.tag_id);
       }
-      cpu::copy_bytes(out.raw_data(), m.data.raw_data(), out.nbytes());
+      move_bytes(out.device(), out.raw_data(), m.data.raw_data(), out.nbytes());
       m.consumed->store(true);
       std::lock_guard<std::mutex> relock(g.mu);
       g.cv.notify_all();

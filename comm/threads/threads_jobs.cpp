@@ -7,11 +7,76 @@
 
 #include <fmt/format.h>
 
+#include "runtime/cuda/cuda_api.h"
 #include "runtime/error.h"
+#include "runtime/stream.h"
 #include "tensor/cpu/copy_bytes.h"
 #include "tensor/dtype.h"
+#include "tensor/kernels.h"
 
 namespace tandem::threads_detail {
+
+// Note [Threads ranks on one CUDA device]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// NCCL cannot put two ranks on one GPU, so rank threads that share a CUDA
+// device (a single lent GPU, or the emulated one in CI) communicate through
+// this backend. Everything about rounds, claims, seals and retirement stays
+// as on the CPU, because a job still keeps Note [Threads jobs]' promise: when
+// it ends, it has read its inputs and written its output. A job on CUDA
+// tensors moves bytes with a device-to-device copy and reduces with the
+// elementwise CUDA kernels (the same chain in rank order as the CPU's, so the
+// same bits), on a stream of its own thread (one per thread and device, since
+// any rank's thread may run any job), and synchronizes that stream before it
+// ends. The inputs are ordered by the launch's ready event, recorded on the
+// caller's stream (ProcessGroup::issue): a post waits for it. The outputs are
+// complete when the Work is, so Work::wait() of a CUDA output blocks the
+// caller until then, and the caller's stream, which only runs what is
+// enqueued after that, reads finished data. Every post of a round must be on
+// one device; a mixture is an error naming both.
+
+namespace {
+
+// The calling thread's stream for jobs on `device` (Note [Threads ranks on
+// one CUDA device]).
+const Stream& job_stream(Device device) {
+  thread_local std::vector<Stream> streams;
+  const auto index = static_cast<size_t>(device.index());
+  if (streams.size() <= index) streams.resize(index + 1);
+  if (!streams[index].defined()) streams[index] = Stream::create(device);
+  return streams[index];
+}
+
+TensorArg flat_arg(const void* data, DType dtype, int64_t count) {
+  TensorArg a;
+  a.data = const_cast<void*>(data);
+  a.dtype = dtype;
+  a.ndim = 1;
+  a.shape[0] = count;
+  a.strides[0] = 1;
+  a.numel = count;
+  return a;
+}
+
+}  // namespace
+
+Device device_of(const Post& p) {
+  return p.output.defined()  ? p.output.device()
+         : p.input.defined() ? p.input.device()
+                             : Device::cpu();
+}
+
+void move_bytes(Device device, void* dst, const void* src, size_t nbytes) {
+  if (nbytes == 0) return;
+  if (device.is_cpu()) {
+    cpu::copy_bytes(dst, src, nbytes);
+    return;
+  }
+  DeviceGuard guard(device);
+  const Stream& stream = job_stream(device);
+  cuda_api::memcpy_async(dst, src, nbytes, cuda_api::CopyKind::DeviceToDevice,
+                         stream.native_handle());
+  stream.synchronize();
+}
 
 namespace {
 
@@ -106,6 +171,41 @@ void reduce_ranks(RedOp op, DType dtype, const std::vector<const void*>& inputs,
         break;
     }
   });
+}
+
+// reduce_ranks() on a CUDA device (Note [Threads ranks on one CUDA device]):
+// out = in_0, then out = op(out, in_r) for r = 1..n-1 with the elementwise
+// kernels, which compute in acc_t and store the dtype after every step as the
+// CPU loop does; Avg then divides by n.
+void reduce_ranks_on(Device device, RedOp op, DType dtype, const std::vector<const void*>& inputs,
+                     void* out, int64_t count) {
+  if (count == 0) return;
+  DeviceGuard guard(device);
+  const Stream& stream = job_stream(device);
+  void* handle = stream.native_handle();
+  const TensorArg y = flat_arg(out, dtype, count);
+  if (out != inputs[0]) {
+    cuda_api::memcpy_async(out, inputs[0], static_cast<size_t>(count) * dtype_size(dtype),
+                           cuda_api::CopyKind::DeviceToDevice, handle);
+  }
+  const BinaryOp b = op == RedOp::Max   ? BinaryOp::Maximum
+                     : op == RedOp::Min ? BinaryOp::Minimum
+                                        : BinaryOp::Add;
+  for (size_t r = 1; r < inputs.size(); ++r)
+    cuda::binary(b, y, flat_arg(inputs[r], dtype, count), y, handle);
+  if (op == RedOp::Avg) {
+    cuda::binary_scalar(BinaryOp::Div, y, static_cast<double>(inputs.size()), false, y, handle);
+  }
+  stream.synchronize();
+}
+
+void reduce_ranks(Device device, RedOp op, DType dtype, const std::vector<const void*>& inputs,
+                  void* out, int64_t count) {
+  if (device.is_cpu()) {
+    reduce_ranks(op, dtype, inputs, out, count);
+  } else {
+    reduce_ranks_on(device, op, dtype, inputs, out, count);
+  }
 }
 
 // Elements [lo, hi) of `count` that rank r reduces in a split all_reduce.
@@ -212,6 +312,18 @@ namespace {
       *me.where, index, me.entry.str(), other, R.posts[other].entry.str()));
 }
 
+// Rank `source`'s post is on rank `index`'s device (Note [Threads ranks on
+// one CUDA device]).
+void check_device(const Round& R, int index, int source) {
+  const Post& me = R.posts[index];
+  const Post& peer = R.posts[source];
+  const Device mine = device_of(me), theirs = device_of(peer);
+  TANDEM_CHECK(mine == theirs,
+               "[comm::{}] {}: expected every rank's tensors on one device (rank threads share "
+               "their device), got {} from rank {} and {} from rank {}",
+               collective_name(me.kind), *me.where, theirs.str(), source, mine.str(), index);
+}
+
 void check_fingerprints(const Round& R, int index) {
   const Post& me = R.posts[index];
   if (!me.checked) return;
@@ -255,6 +367,7 @@ void copy_piece(const Round& R, int index, int source, int part) {
   const Post& me = R.posts[index];
   const Post& peer = R.posts[source];
   if (me.checked && peer.fingerprint != me.fingerprint) diverge(R, index, source);
+  check_device(R, index, source);
   // Only reachable with checked mode off; guards the reads below.
   TANDEM_CHECK(peer.kind == me.kind && peer.input.dtype() == me.input.dtype() &&
                    (me.kind == CollectiveKind::AllToAll
@@ -273,7 +386,7 @@ void copy_piece(const Round& R, int index, int source, int part) {
   if (me.kind == CollectiveKind::AllGather) {
     const int64_t chunk = static_cast<int64_t>(me.input.nbytes());
     const auto [lo, hi] = part_range(chunk);
-    cpu::copy_bytes(out + source * chunk + lo, in + lo, static_cast<size_t>(hi - lo));
+    move_bytes(device_of(me), out + source * chunk + lo, in + lo, static_cast<size_t>(hi - lo));
     return;
   }
   TANDEM_CHECK(peer.input_splits[index] == me.output_splits[source],
@@ -288,8 +401,8 @@ void copy_piece(const Round& R, int index, int source, int part) {
     in_row += peer.input_splits[r];
   const auto [lo, hi] = part_range(me.output_splits[source] * row_bytes);
   if (hi > lo) {
-    cpu::copy_bytes(out + out_row * row_bytes + lo, in + in_row * row_bytes + lo,
-                    static_cast<size_t>(hi - lo));
+    move_bytes(device_of(me), out + out_row * row_bytes + lo, in + in_row * row_bytes + lo,
+               static_cast<size_t>(hi - lo));
   }
 }
 
@@ -310,6 +423,7 @@ void reduce_chunk(const Round& R, int index) {
                  "(checked mode is off)",
                  *me.where, r, peer.entry.str(), index, dtype_name(me.input.dtype()),
                  me.input.shape());
+    check_device(R, index, r);
   }
   auto [lo, hi] = chunk_of(index, n, count);
   if (hi <= lo) return;
@@ -317,7 +431,7 @@ void reduce_chunk(const Round& R, int index) {
   std::vector<const void*> inputs(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r)
     inputs[r] = static_cast<const char*>(R.posts[r].input.raw_data()) + lo * element;
-  reduce_ranks(me.op, me.input.dtype(), inputs,
+  reduce_ranks(device_of(me), me.op, me.input.dtype(), inputs,
                static_cast<char*>(me.output.raw_data()) + lo * element, hi - lo);
 }
 
@@ -344,9 +458,9 @@ void copy_peer_chunks(Round& R, int index) {
   for (int r = 0; r < n; ++r) {
     auto [lo, hi] = chunk_of(r, n, count);
     if (r == index || hi <= lo) continue;
-    cpu::copy_bytes(static_cast<char*>(me.output.raw_data()) + lo * element,
-                    static_cast<const char*>(R.posts[r].output.raw_data()) + lo * element,
-                    static_cast<size_t>(hi - lo) * element);
+    move_bytes(device_of(me), static_cast<char*>(me.output.raw_data()) + lo * element,
+               static_cast<const char*>(R.posts[r].output.raw_data()) + lo * element,
+               static_cast<size_t>(hi - lo) * element);
   }
 }
 
@@ -356,6 +470,8 @@ void run_whole(const Round& R, int index) {
   const Post& me = R.posts[index];
   const int n = R.n;
   check_fingerprints(R, index);
+  for (int r = 0; r < n; ++r)
+    check_device(R, index, r);
   if (splits(me, n)) {
     reduce_chunk(R, index);
     return;
@@ -367,12 +483,13 @@ void run_whole(const Round& R, int index) {
       std::vector<const void*> inputs(static_cast<size_t>(n));
       for (int r = 0; r < n; ++r)
         inputs[r] = R.posts[r].input.raw_data();
-      reduce_ranks(me.op, me.output.dtype(), inputs, me.output.raw_data(), me.output.numel());
+      reduce_ranks(device_of(me), me.op, me.output.dtype(), inputs, me.output.raw_data(),
+                   me.output.numel());
       return;
     }
     case CollectiveKind::Broadcast: {
       const Tensor& src = R.posts[me.root].input;
-      cpu::copy_bytes(me.output.raw_data(), src.raw_data(), me.output.nbytes());
+      move_bytes(device_of(me), me.output.raw_data(), src.raw_data(), me.output.nbytes());
       return;
     }
     case CollectiveKind::ReduceScatter: {
@@ -380,7 +497,8 @@ void run_whole(const Round& R, int index) {
       std::vector<const void*> inputs(static_cast<size_t>(n));
       for (int r = 0; r < n; ++r)
         inputs[r] = static_cast<const char*>(R.posts[r].input.raw_data()) + offset;
-      reduce_ranks(me.op, me.output.dtype(), inputs, me.output.raw_data(), me.output.numel());
+      reduce_ranks(device_of(me), me.op, me.output.dtype(), inputs, me.output.raw_data(),
+                   me.output.numel());
       return;
     }
     default:

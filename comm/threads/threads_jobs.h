@@ -109,6 +109,12 @@ struct Round {
   }
 };
 
+// The device of a post's tensors (cpu for a barrier), and a copy of `nbytes`
+// on it that has ended when the call returns (Note [Threads ranks on one
+// CUDA device] in threads_jobs.cpp).
+Device device_of(const Post& p);
+void move_bytes(Device device, void* dst, const void* src, size_t nbytes);
+
 // Kinds of jobs (Note [Threads jobs]).
 bool has_pieces(const Post& p);
 // Whether rank p's all_reduce is split into two phases (Note [Threads reductions]).

@@ -25,7 +25,8 @@ Command parse_command_line(const std::vector<std::string>& args) {
   app.add_option("--ranks", o.ranks, "threads backend: world size (default dp x ep x cp x tp)")
       ->check(CLI::Range(1, 1024))
       ->group(launch);
-  app.add_option("--device", o.device, "cpu, or cuda (with --backend nccl)")
+  app.add_option("--device", o.device,
+                 "cpu, or cuda (threads: the ranks share cuda:0; nccl: one GPU per rank)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->group(launch);
 

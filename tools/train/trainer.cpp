@@ -563,8 +563,10 @@ void validate(const TrainOptions& o, int world_size) {
                "[train] expected --device cpu|cuda, got "
                "'{}'",
                o.device);
-  TANDEM_CHECK(o.device == "cpu" || o.backend == "nccl",
-               "[train] --device cuda runs with --backend nccl, got --backend {}", o.backend);
+  TANDEM_CHECK(o.device == "cpu" || o.backend != "mpi",
+               "[train] --device cuda runs with --backend threads (the ranks share one device) or "
+               "nccl (one device per rank), got --backend {}",
+               o.backend);
 }
 
 TrainResult run_training(const TrainOptions& options, std::FILE* out) {
