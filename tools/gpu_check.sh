@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# GPU check: builds tandem with CUDA for H100/H200 (sm_90), runs the tensor and
-# runtime suites (their [cuda] cases compare every CUDA kernel with the CPU
-# reference) and a quick tensor benchmark. For a machine with a GPU (Debian-
-# like, root, CUDA in /usr/local/cuda); run from anywhere in the repository:
+# GPU check: everything GPU-related in one go, for the first minutes on a GPU
+# machine (H100/H200: sm_90). Run from anywhere in the repository:
 #   tools/gpu_check.sh
-# Missing build tools and libraries are installed with apt-get (only when
-# missing). Every step shares one time budget (TANDEM_GPU_CHECK_BUDGET_S,
-# default 480 s = 8 minutes). Logs go to build-gpu-logs/ and are also copied to
-# "$OUT" when that is set. Exits non-zero when a step fails, when a [cuda] case
-# was skipped (the GPU was not seen), or when the budget runs out.
+# Steps, each within what is left of one time budget (TANDEM_GPU_CHECK_BUDGET_S,
+# default 480 s = 8 minutes):
+#   1. the build dependencies: the machine's own; else apt-get; else the .deb
+#      files of .gpu-deps/ (tools/gpu_deps.sh fetches them where Debian's
+#      registry is reachable), unpacked under build-gpu-deps/, never into /;
+#   2. a CUDA build in build-gpu (-Dcuda=enabled -Dgpu_arch=sm_90);
+#   3. the suites natively on the GPU: runtime, tensor, autograd and comm (their
+#      CUDA cases compare every kernel with the CPU reference), parallel-cuda and
+#      train-cuda (4 rank threads sharing the GPU through the threads backend),
+#      and nccl (one rank) when MPI and NCCL were found;
+#   4. compute-sanitizer memcheck and racecheck over the tensor suite's CUDA
+#      cases;
+#   5. tandem-bench tensor, autograd, cp and overlap (--quick, --json).
+# Writes build-gpu-logs/summary.json (every step: status, seconds, note; every
+# benchmark's JSON) and, when $OUT is set (the device tool), copies it and a
+# tarball of the logs there. Exits non-zero when a step failed, when a CUDA
+# case was skipped (the GPU went unseen), or when the budget ran out.
 set -uo pipefail
 
 self="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
@@ -16,6 +26,7 @@ root="$(cd "$(dirname "$self")/.." && pwd)"
 cd "$root" || exit 1
 build="build-gpu"
 logs="build-gpu-logs"
+prefix="$root/build-gpu-deps/root"
 budget="${TANDEM_GPU_CHECK_BUDGET_S:-480}"
 jobs="${TANDEM_JOBS:-$(nproc 2>/dev/null || echo 4)}"
 start=$SECONDS
@@ -23,25 +34,22 @@ failed=()
 export PATH="/usr/local/cuda/bin:$PATH"
 export TANDEM_WAIT_TIMEOUT_S="${TANDEM_WAIT_TIMEOUT_S:-120}"
 
-# The packages of tools/dev.sh: the optional MPI backend and the benchmark's
-# dependencies are part of a full build.
+# What the build needs besides CUDA, as tools/dev.sh installs it (MPI, hence
+# NCCL, is optional: 178 packages are too many to carry).
 packages=(
   meson ninja-build pkg-config g++ python3
-  libopenmpi-dev openmpi-bin libeigen3-dev libopenblas-dev catch2
-  libfmt-dev libcli11-dev nlohmann-json3-dev libdlpack-dev
+  libeigen3-dev libopenblas-dev catch2 libfmt-dev libcli11-dev nlohmann-json3-dev libdlpack-dev
 )
-
-copy_logs() {
-  if [[ -n "${OUT:-}" ]]; then
-    mkdir -p "$OUT" && cp -f "$logs"/*.log "$OUT"/ 2>/dev/null
-  fi
-  return 0
-}
 
 remaining() { echo $((budget - (SECONDS - start))); }
 
-# step NAME CMD...: runs CMD (a command or one of the functions below, through
-# this script's --run) within the remaining budget, output to $logs/NAME.log.
+# One line per step for summary.json: name, status, seconds, note.
+record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" >>"$logs/steps.tsv"; }
+
+# step NAME CMD...: runs CMD (a command, or a function of this script through
+# its --run) within the remaining budget, at most $step_cap seconds when that
+# is set, output to $logs/NAME.log.
+step_cap=0
 step() {
   local name="$1"
   shift
@@ -50,49 +58,148 @@ step() {
   if ((left <= 5)); then
     echo "gpu_check: $name: not run, the ${budget}s budget is spent"
     failed+=("$name (no time left)")
+    record "$name" "not run" 0 "budget spent"
     return 1
   fi
+  local limit=$left
+  ((step_cap > 0 && step_cap < limit)) && limit=$step_cap
   echo "gpu_check: $name (${left}s left)"
-  timeout --kill-after=10 "$left" "$self" --run "$@" >"$logs/$name.log" 2>&1
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$self" --run "$@" >"$logs/$name.log" 2>&1
   local rc=$?
-  tail -n 30 "$logs/$name.log"
-  if ((rc != 0)); then
-    ((rc == 124 || rc == 137)) && echo "gpu_check: $name: timed out"
-    echo "gpu_check: $name failed (exit $rc)"
-    failed+=("$name")
-    return 1
+  tail -n 15 "$logs/$name.log"
+  if ((rc == 0)); then
+    record "$name" passed $((SECONDS - t0))
+    return 0
   fi
-  return 0
+  local status=failed
+  ((rc == 124 || rc == 137)) && status="timed out"
+  echo "gpu_check: $name: $status (exit $rc)"
+  failed+=("$name")
+  record "$name" "$status" $((SECONDS - t0)) "exit $rc; log $logs/$name.log"
+  return 1
 }
 
-install_missing() {
+have_build_deps() {
+  command -v meson >/dev/null && command -v ninja >/dev/null && command -v pkg-config >/dev/null &&
+    pkg-config --exists fmt eigen3 openblas catch2 CLI11 nlohmann_json &&
+    printf '#include <dlpack/dlpack.h>\n' | g++ -x c++ -fsyntax-only - 2>/dev/null
+}
+
+# The carried packages, unpacked under $prefix: compilers, pkg-config and the
+# loader find them through the variables below (PKG_CONFIG_SYSROOT_DIR moves
+# the /usr of their .pc files under $prefix).
+use_carried_deps() {
+  local lib="$prefix/usr/lib/x86_64-linux-gnu"
+  rm -rf "$prefix"
+  mkdir -p "$prefix"
+  for deb in "$root"/.gpu-deps/*.deb; do
+    dpkg -x "$deb" "$prefix" || return 1
+  done
+  [[ -e "$prefix/usr/bin/pkg-config" ]] || ln -s pkgconf "$prefix/usr/bin/pkg-config"
+  export PATH="$prefix/usr/bin:$PATH"
+  export LD_LIBRARY_PATH="$lib:$lib/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LIBRARY_PATH="$lib:$lib/openblas-pthread${LIBRARY_PATH:+:$LIBRARY_PATH}"
+  export CPLUS_INCLUDE_PATH="$prefix/usr/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
+  export PKG_CONFIG_LIBDIR="$lib/pkgconfig:$lib/openblas-pthread/pkgconfig:$prefix/usr/share/pkgconfig"
+  export PKG_CONFIG_SYSROOT_DIR="$prefix"
+}
+
+# In this shell (later steps inherit what it exports).
+deps() {
+  have_build_deps && { echo "the machine has every build dependency"; return 0; }
+  if [[ -n "$(ls "$root"/.gpu-deps/*.deb 2>/dev/null)" ]]; then
+    echo "using the carried packages of .gpu-deps/"
+    use_carried_deps && have_build_deps && return 0
+    echo "the carried packages do not provide every build dependency"
+    return 1
+  fi
   local missing=()
   for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
-  ((${#missing[@]} == 0)) && return 0
   echo "installing ${missing[*]}"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" &&
+    have_build_deps && return 0
+  echo "missing build dependencies: run tools/gpu_deps.sh where Debian's registry is reachable" \
+    "and bring .gpu-deps/ along"
+  return 1
 }
 
 configure() {
+  local args=(-Dcuda=enabled -Dgpu_arch=sm_90 -Dbuildtype=release)
   if [[ -f "$build/build.ninja" ]]; then
-    meson setup --reconfigure "$build" -Dcuda=enabled -Dgpu_arch=sm_90
+    meson setup --reconfigure "$build" "${args[@]}"
   else
-    meson setup "$build" -Dcuda=enabled -Dgpu_arch=sm_90
+    meson setup "$build" "${args[@]}"
   fi
 }
 
-# A [cuda] case that says SKIP on this machine means the GPU went unseen.
-run_suite() {
-  local binary="$1"
-  "$binary" --use-colour no --durations no
+# suite NAME: the Meson test NAME (with the environment tests/meson.build gives
+# it: TANDEM_CUDA=emulated runs on the real GPU where one exists). A CUDA case
+# that says SKIP means the GPU went unseen.
+suite() {
+  meson test -C "$build" --no-rebuild --print-errorlogs "$1"
   local rc=$?
-  if grep -q "SKIP: no CUDA device" "$logs/$(basename "$binary").log" 2>/dev/null; then
-    echo "gpu_check: [cuda] cases were skipped: no usable GPU was found"
+  if grep -qs "SKIP: no CUDA device" "$build/meson-logs/testlog.txt" "$build/tests/junit-$1.xml"; then
+    echo "gpu_check: CUDA cases of $1 were skipped: no usable GPU was found"
     return 1
   fi
   return $rc
+}
+
+sanitize() {
+  local tool="$1"
+  compute-sanitizer --tool "$tool" --error-exitcode 3 "$build/tests/tandem-tests-tensor" "[cuda]" \
+    --use-colour no
+}
+
+bench() {
+  "$build/tools/tandem-bench" "$1" --quick --json >"$logs/bench-$1.json"
+}
+
+summary() {
+  python3 - "$logs" "$budget" "$((SECONDS - start))" <<'EOF'
+import json, os, subprocess, sys
+logs, budget, elapsed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def run(*cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception:
+        return ""
+steps = []
+if os.path.exists(os.path.join(logs, "steps.tsv")):
+    for line in open(os.path.join(logs, "steps.tsv")):
+        name, status, seconds, note = (line.rstrip("\n").split("\t") + [""] * 4)[:4]
+        steps.append({"name": name, "status": status, "seconds": int(seconds or 0), "note": note})
+benchmarks = {}
+for name in ("tensor", "autograd", "cp", "overlap"):
+    path = os.path.join(logs, f"bench-{name}.json")
+    try:
+        benchmarks[name] = json.load(open(path))
+    except Exception:
+        benchmarks[name] = None
+doc = {
+    "commit": run("git", "rev-parse", "HEAD"),
+    "date": run("date", "-u", "+%Y-%m-%dT%H:%M:%SZ"),
+    "gpu": run("nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"),
+    "budget_s": budget,
+    "elapsed_s": elapsed,
+    "passed": all(s["status"] == "passed" for s in steps),
+    "steps": steps,
+    "benchmarks": benchmarks,
+}
+json.dump(doc, open(os.path.join(logs, "summary.json"), "w"), indent=1)
+EOF
+}
+
+finish() {
+  summary
+  if [[ -n "${OUT:-}" ]]; then
+    mkdir -p "$OUT" && cp -f "$logs/summary.json" "$OUT/" 2>/dev/null
+    tar -czf "$OUT/gpu-check-logs.tar.gz" "$logs" 2>/dev/null
+  fi
+  return 0
 }
 
 if [[ "${1:-}" == "--run" ]]; then
@@ -102,23 +209,42 @@ if [[ "${1:-}" == "--run" ]]; then
 fi
 
 mkdir -p "$logs"
-rm -f "$logs"/*.log
-trap copy_logs EXIT
+rm -f "$logs"/*.log "$logs"/*.json "$logs/steps.tsv"
+trap finish EXIT
 
 step device bash -c 'nvidia-smi || echo "nvidia-smi not found"; nvcc --version'
-step install install_missing &&
-  step configure configure &&
-  step build ninja -C "$build" -j "$jobs" tests/tandem-tests-tensor tests/tandem-tests-runtime \
-    tools/tandem-bench &&
-  {
-    step tandem-tests-tensor run_suite "$build/tests/tandem-tests-tensor"
-    step tandem-tests-runtime run_suite "$build/tests/tandem-tests-runtime"
-    step tandem-bench "$build/tools/tandem-bench" tensor --quick
-  }
+t0=$SECONDS
+if deps >"$logs/deps.log" 2>&1; then
+  record deps passed $((SECONDS - t0)) "$(tail -n 1 "$logs/deps.log")"
+else
+  record deps failed $((SECONDS - t0)) "$(tail -n 1 "$logs/deps.log")"
+  failed+=(deps)
+fi
+cat "$logs/deps.log"
+if ((${#failed[@]} == 0)) && step configure configure && step build ninja -C "$build" -j "$jobs"; then
+  for s in runtime tensor autograd comm parallel-cuda train-cuda; do
+    step "suite-$s" suite "$s"
+  done
+  if meson test -C "$build" --list 2>/dev/null | grep -qx nccl; then
+    step suite-nccl suite nccl
+  else
+    record suite-nccl "not run" 0 "built without MPI or NCCL"
+  fi
+  if command -v compute-sanitizer >/dev/null; then
+    step_cap=90 step memcheck sanitize memcheck
+    step_cap=90 step racecheck sanitize racecheck
+  else
+    record memcheck "not run" 0 "compute-sanitizer not found"
+    record racecheck "not run" 0 "compute-sanitizer not found"
+  fi
+  for b in tensor autograd cp overlap; do
+    step_cap=60 step "bench-$b" bench "$b"
+  done
+fi
 
 elapsed=$((SECONDS - start))
 if ((${#failed[@]})); then
-  echo "gpu_check: FAILED after ${elapsed}s: ${failed[*]} (logs in $logs/)"
+  echo "gpu_check: FAILED after ${elapsed}s: ${failed[*]} (logs and summary.json in $logs/)"
   exit 1
 fi
-echo "gpu_check: all steps passed in ${elapsed}s (logs in $logs/)"
+echo "gpu_check: all steps passed in ${elapsed}s (logs and summary.json in $logs/)"

@@ -5,6 +5,7 @@
 
 #include "autograd/checkpoint.h"
 #include "autograd/ops.h"
+#include "autograd/functions/node_name.h"
 
 namespace tandem {
 namespace {
@@ -23,11 +24,6 @@ struct InputInfo {
     dtype = t.dtype();
   }
 };
-
-#define TANDEM_NODE_NAME(N)           \
-  const char* name() const override { \
-    return #N;                        \
-  }
 
 struct AddBackward final : Node {
   TANDEM_NODE_NAME(AddBackward)

@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "autograd/ops.h"
+#include "autograd/functions/node_name.h"
 
 namespace tandem {
 
@@ -13,11 +14,6 @@ std::vector<Tensor> attention_backward(const Tensor& q, const Tensor& k, const T
 }
 
 namespace {
-
-#define TANDEM_NODE_NAME(N)           \
-  const char* name() const override { \
-    return #N;                        \
-  }
 
 // (…, M, K) @ (…, K, N), both of rank >= 2 (1-D cases are views around it).
 struct MatmulBackward final : Node {

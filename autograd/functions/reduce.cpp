@@ -2,14 +2,10 @@
 #include <algorithm>
 
 #include "autograd/ops.h"
+#include "autograd/functions/node_name.h"
 
 namespace tandem {
 namespace {
-
-#define TANDEM_NODE_NAME(N)           \
-  const char* name() const override { \
-    return #N;                        \
-  }
 
 // Reduced dims of an input of rank `ndim` (all when `dims` is empty), sorted.
 std::vector<int> reduced_dims(const Dims& dims, int ndim, const char* op) {

@@ -2,14 +2,10 @@
 // back to the input's shape: reshape back, permute back, or scatter into zeros
 // at the viewed position (narrow/slice/select), or sum (expand).
 #include "autograd/ops.h"
+#include "autograd/functions/node_name.h"
 
 namespace tandem {
 namespace {
-
-#define TANDEM_NODE_NAME(N)           \
-  const char* name() const override { \
-    return #N;                        \
-  }
 
 struct ReshapeBackward final : Node {
   TANDEM_NODE_NAME(ReshapeBackward)

@@ -18,6 +18,7 @@
 #include <unordered_map>
 
 #include "tensor/cuda/cuda_common.cuh"
+#include "tensor/cuda/gemm_shape.h"
 
 #define TANDEM_CUBLAS_CHECK(expr)                                                                 \
   do {                                                                                            \
@@ -52,19 +53,8 @@ cublasHandle_t handle_for(int device) {
   return slot->get();
 }
 
-int checked_int(int64_t v, const char* what) {
-  TANDEM_CHECK(v >= 0 && v <= INT_MAX, "[cuda::gemm] expected {} in [0, {}], got {}", what, INT_MAX,
-               v);
-  return static_cast<int>(v);
-}
-
-// cuBLAS wants ld >= max(1, row length) even where the stride is never
-// stepped (a single stored row, or empty rows); any such value is then as good
-// as the stored one. Real layouts pass through unchanged.
-int64_t leading_dim(int64_t ld, int64_t rows, int64_t cols) {
-  if (rows <= 1 || cols == 0) return std::max<int64_t>({ld, cols, 1});
-  return ld;
-}
+using gemm_shape::checked_int;
+using gemm_shape::leading_dim;
 
 struct TypeConfig {
   cudaDataType_t data;

@@ -12,24 +12,15 @@
 
 #include "runtime/cuda/emulator/kernel_api.h"
 #include "runtime/error.h"
+#include "tensor/cuda/gemm_shape.h"
 #include "tensor/cuda/kernel_sets.h"
 #include "tensor/half.h"
 
 namespace tandem::cuda_kernels::emulated {
 namespace {
 
-int checked_int(int64_t v, const char* what) {
-  TANDEM_CHECK(v >= 0 && v <= INT_MAX, "[cuda::gemm] expected {} in [0, {}], got {}", what, INT_MAX,
-               v);
-  return static_cast<int>(v);
-}
-
-// cblas insists on ld >= max(1, row length) even where the stride is never
-// stepped (one stored row, empty rows), as cuBLAS does.
-int64_t leading_dim(int64_t ld, int64_t rows, int64_t cols) {
-  if (rows <= 1 || cols == 0) return std::max<int64_t>({ld, cols, 1});
-  return ld;
-}
+using gemm_shape::checked_int;
+using gemm_shape::leading_dim;
 
 // A (rows, cols) matrix with row stride ld, widened into a dense f32 copy.
 template <class H>
