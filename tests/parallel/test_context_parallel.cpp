@@ -1,5 +1,6 @@
 // Context parallelism: every mode's outputs and Q/K/V gradients equal
-// single-rank attention on the whole sequence.
+// single-rank attention on the whole sequence. The references run on the CPU;
+// the rank threads compute on test::test_device() (tests/support/test_device.h).
 #include <catch2/catch.hpp>
 
 #include "autograd/nn/attention.h"
@@ -8,6 +9,7 @@
 #include "parallel/context_parallel.h"
 #include "parallel/tensor_parallel.h"
 #include "tests/support/rank_checks.h"
+#include "tests/support/test_device.h"
 
 using namespace tandem;
 
@@ -52,7 +54,7 @@ void check_case(const Case& c) {
   std::vector<std::string> errors(static_cast<size_t>(c.cp));
   run_ranks(c.cp, [&](ProcessGroupPtr pg) {
     const int r = pg->rank();
-    DeviceMesh mesh(pg, {c.cp}, {"cp"});
+    DeviceMesh mesh(pg, {c.cp}, {"cp"}, {}, test::test_device());
     auto core = std::make_shared<nn::CoreAttention>(options);
     ContextParallel config;
     config.ulysses_degree = c.ds;
@@ -60,13 +62,15 @@ void check_case(const Case& c) {
     config.mode = c.ring ? CPMode::Ring : CPMode::Auto;
     config.apply(core, mesh);
     auto shard = [&](const Tensor& t) { return shard_sequence(t, 1, c.cp, r, c.load_balance); };
-    Tensor ql = shard(q), kl = shard(k), vl = shard(v);
+    Tensor ql = test::on_test_device(shard(q)), kl = test::on_test_device(shard(k)),
+           vl = test::on_test_device(shard(v));
     for (Tensor* t : {&ql, &kl, &vl})
       set_requires_grad(*t);
     Tensor out = core->call(Args{ql, kl, vl})[0];
-    backward(sum(mul(out, shard(w))));
+    backward(sum(mul(out, test::on_test_device(shard(w)))));
     std::string e;
-    auto same = [&](const char* what, const Tensor& got, const Tensor& want) {
+    auto same = [&](const char* what, const Tensor& on_device, const Tensor& want) {
+      const Tensor got = test::on_cpu(on_device);
       if (got.shape() != want.shape() || !ops::allclose(got, want, 1e-5, 1e-5)) {
         e += fmt::format("{} differs on rank {} ({} vs {}); ", what, r, got.shape(), want.shape());
       }
@@ -153,9 +157,9 @@ TEST_CASE("shard_sequence and unshard_sequence are inverse", "[cp]") {
       Tensor x = ops::randn({2, seq, 3}, gen);
       tandem::testing::RankChecks rc;
       run_ranks(4, [&](ProcessGroupPtr pg) {
-        Tensor local = shard_sequence(x, 1, 4, pg->rank(), lb);
+        Tensor local = shard_sequence(test::on_test_device(x), 1, 4, pg->rank(), lb);
         Tensor back = unshard_sequence(local, 1, pg, lb);
-        RANK_CHECK(rc, ops::equal(back, x));
+        RANK_CHECK(rc, ops::equal(test::on_cpu(back), x));
       });
       rc.report();
     }
@@ -165,7 +169,7 @@ TEST_CASE("shard_sequence and unshard_sequence are inverse", "[cp]") {
 TEST_CASE("context parallel rejects impossible layouts", "[cp]") {
   tandem::testing::RankChecks rc;
   run_ranks(4, [&](ProcessGroupPtr pg) {
-    DeviceMesh mesh(pg, {4}, {"cp"});
+    DeviceMesh mesh(pg, {4}, {"cp"}, {}, test::test_device());
     auto core = std::make_shared<nn::CoreAttention>();
     ContextParallel c;
     c.ulysses_degree = 3;
@@ -173,11 +177,11 @@ TEST_CASE("context parallel rejects impossible layouts", "[cp]") {
     c.ulysses_degree = 4;
     c.load_balance = true;
     RANK_CHECK_THROWS_WITH(rc, c.apply(core, mesh), "load balance only");
-    DeviceMesh mesh2(pg, {2, 2}, {"a", "b"});
+    DeviceMesh mesh2(pg, {2, 2}, {"a", "b"}, {}, test::test_device());
     c.load_balance = false;
     c.ulysses_degree = 2;
     RANK_CHECK_THROWS_WITH(rc, c.apply(core, mesh2), "named (co, ds)");
-    DeviceMesh mesh3(pg, {1, 2, 2}, {"x", "y", "z"});
+    DeviceMesh mesh3(pg, {1, 2, 2}, {"x", "y", "z"}, {}, test::test_device());
     RANK_CHECK_THROWS_WITH(rc, c.apply(core, mesh3), "3-D mesh");
 
     // Heads not divisible by the Ulysses degree, and missing Q/K/V.
@@ -185,7 +189,7 @@ TEST_CASE("context parallel rejects impossible layouts", "[cp]") {
     ContextParallel u;
     u.ulysses_degree = 4;
     u.apply(core2, mesh);
-    Tensor t = ops::zeros({1, 2, 6, 4});
+    Tensor t = ops::zeros({1, 2, 6, 4}, DType::F32, test::test_device());
     RANK_CHECK_THROWS_WITH(rc, core2->call(Args{t, t, t}), "query heads divisible");
     RANK_CHECK_THROWS_WITH(rc, core2->call(Args{t}), "expected k in the attention");
   });
@@ -222,13 +226,14 @@ TEST_CASE("async context parallel equals the sync variant and single-rank attent
     std::vector<int> bad(static_cast<size_t>(c.cp), 0);
     run_ranks(c.cp, [&](ProcessGroupPtr pg) {
       const int r = pg->rank();
-      DeviceMesh mesh(pg, {c.cp}, {"cp"});
+      DeviceMesh mesh(pg, {c.cp}, {"cp"}, {}, test::test_device());
       std::vector<Tensor> outs, dxs;
       std::vector<std::vector<Tensor>> grads;
       for (bool async : {false, true}) {
         Generator g(1);
         auto attn = nn::make<nn::SelfAttention>(
             {.d_model = d, .n_heads = H, .n_kv_heads = c.kv_heads, .causal = true}, g);
+        attn->to(test::test_device());
         ContextParallel config;
         config.ulysses_degree = c.ds;
         config.load_balance = c.load_balance;
@@ -240,17 +245,18 @@ TEST_CASE("async context parallel equals the sync variant and single-rank attent
         } else {
           config.apply(attn->core(), mesh);
         }
-        Tensor xl = shard_sequence(x, 1, c.cp, r, c.load_balance);
+        Tensor xl = test::on_test_device(shard_sequence(x, 1, c.cp, r, c.load_balance));
         set_requires_grad(xl);
         Tensor out = (*attn)(xl);
-        backward(sum(mul(out, shard_sequence(w, 1, c.cp, r, c.load_balance))));
-        outs.push_back(out);
-        dxs.push_back(grad(xl));
+        backward(
+            sum(mul(out, test::on_test_device(shard_sequence(w, 1, c.cp, r, c.load_balance)))));
+        outs.push_back(test::on_cpu(out));
+        dxs.push_back(test::on_cpu(grad(xl)));
         std::vector<Tensor> pg_grads;
         for (auto& [name, p] : attn->named_parameters()) {
           WorkPtr sum_w = pg->all_reduce(grad(p));  // CP ranks hold partial weight gradients
           sum_w->synchronize();
-          pg_grads.push_back(sum_w->result());
+          pg_grads.push_back(test::on_cpu(sum_w->result()));
         }
         grads.push_back(pg_grads);
       }
@@ -292,12 +298,13 @@ TEST_CASE("context parallel composes with tensor parallel on a (cp, tp) mesh", "
 
     std::vector<int> bad(4, -1);
     run_ranks(4, [&](ProcessGroupPtr pg) {
-      DeviceMesh mesh(pg, {2, 2}, {"cp", "tp"});
+      DeviceMesh mesh(pg, {2, 2}, {"cp", "tp"}, {}, test::test_device());
       DeviceMesh tp = mesh.slice("tp"), cp = mesh.slice("cp");
       const int c = static_cast<int>(mesh.coordinate()[0]);
       Generator g(1);
       auto attn = nn::make<nn::SelfAttention>(
           {.d_model = d, .n_heads = H, .n_kv_heads = 4, .causal = true}, g);
+      attn->to(test::test_device());
       parallelize_module(attn, tp,
                          {{"q_proj", colwise()},
                           {"k_proj", colwise()},
@@ -306,13 +313,18 @@ TEST_CASE("context parallel composes with tensor parallel on a (cp, tp) mesh", "
       ContextParallel config;
       config.ulysses_degree = ds;
       config.apply(attn->core(), cp);
-      Tensor xl = shard_sequence(x, 1, 2, c, false);
+      Tensor xl = test::on_test_device(shard_sequence(x, 1, 2, c, false));
       set_requires_grad(xl);
       Tensor out = (*attn)(xl);
-      backward(sum(mul(out, shard_sequence(w, 1, 2, c, false))));
+      backward(sum(mul(out, test::on_test_device(shard_sequence(w, 1, 2, c, false)))));
       int b = 0;
-      b += ops::allclose(out, shard_sequence(out_ref, 1, 2, c, false), 1e-5, 1e-5) ? 0 : 1;
-      b += ops::allclose(grad(xl), shard_sequence(grad(xr), 1, 2, c, false), 1e-5, 1e-5) ? 0 : 1;
+      b += ops::allclose(test::on_cpu(out), shard_sequence(out_ref, 1, 2, c, false), 1e-5, 1e-5)
+               ? 0
+               : 1;
+      b += ops::allclose(test::on_cpu(grad(xl)), shard_sequence(grad(xr), 1, 2, c, false), 1e-5,
+                         1e-5)
+               ? 0
+               : 1;
       auto params = attn->named_parameters();
       for (size_t i = 0; i < params.size(); ++i) {
         // Weight gradients: a tensor-parallel shard, partial over the sequence shards.
@@ -321,7 +333,7 @@ TEST_CASE("context parallel composes with tensor parallel on a (cp, tp) mesh", "
         const std::string& name = params[i].first;
         Placement p = name.rfind("o_proj", 0) == 0 ? Shard(1) : Shard(0);
         Tensor want = DTensor::distribute(grad(ref_params[i].second), tp, {p}).to_local();
-        b += ops::allclose(sum_cp->result(), want, 1e-5, 1e-5) ? 0 : 1;
+        b += ops::allclose(test::on_cpu(sum_cp->result()), want, 1e-5, 1e-5) ? 0 : 1;
       }
       bad[pg->rank()] = b;
     });
@@ -342,16 +354,17 @@ TEST_CASE("context parallel takes DTensors and keeps their other placements", "[
   Tensor want = nn::CoreAttention(options).call(Args{q, k, v})[0];
   tandem::testing::RankChecks rc;
   run_ranks(4, [&](ProcessGroupPtr pg) {
-    DeviceMesh mesh(pg, {2, 2}, {"cp", "tp"});
+    DeviceMesh mesh(pg, {2, 2}, {"cp", "tp"}, {}, test::test_device());
     auto core = std::make_shared<nn::CoreAttention>(options);
     ContextParallel config;
     config.apply(core, mesh.slice("cp"));
     Placements p = {Replicate(), Shard(2)};  // replicated over cp: attend shards it
-    DTensor out =
-        config.attend(core, DTensor::distribute(q, mesh, p), DTensor::distribute(k, mesh, p),
-                      DTensor::distribute(v, mesh, p), "cp");
+    auto distribute = [&](const Tensor& t) {
+      return DTensor::distribute(test::on_test_device(t), mesh, p);
+    };
+    DTensor out = config.attend(core, distribute(q), distribute(k), distribute(v), "cp");
     RANK_CHECK(rc, out.placements()[0] == Shard(1) && out.placements()[1] == Shard(2));
-    RANK_CHECK(rc, ops::allclose(out.full_tensor(), want, 1e-5, 1e-5));
+    RANK_CHECK(rc, ops::allclose(test::on_cpu(out.full_tensor()), want, 1e-5, 1e-5));
   });
   rc.report();
 }

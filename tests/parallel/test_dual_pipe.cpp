@@ -2,7 +2,8 @@
 // micro-batch i run in tandem under the hook coordinator, with expert-parallel
 // MoE layers whose all-to-alls pair with the other side's compute. Results
 // must be bit-identical to the sequential schedule, and every failure must
-// end in a clear error, not a hang.
+// end in a clear error, not a hang. The rank threads compute on
+// test::test_device() (tests/support/test_device.h).
 #include <catch2/catch.hpp>
 
 #include <chrono>
@@ -14,6 +15,7 @@
 #include "comm/threads/threads_backend.h"
 #include "parallel/dual_pipe.h"
 #include "tests/support/rank_checks.h"
+#include "tests/support/test_device.h"
 
 using namespace tandem;
 
@@ -32,11 +34,23 @@ nn::TransformerLMConfig moe_config(int layers, int experts) {
   return c;
 }
 
-// Micro-batch i of rank r: deterministic tokens.
+// Micro-batch i of rank r: deterministic tokens, on the test device.
 std::pair<Tensor, Tensor> batch(int rank, int i, int64_t seq) {
   Generator g(1000 + 31 * rank + i);
   Tensor t = ops::to(ops::mul(ops::rand({2, seq + 1}, g), 17.0), DType::I64);
-  return {ops::contiguous(ops::narrow(t, 1, 0, seq)), ops::contiguous(ops::narrow(t, 1, 1, seq))};
+  return {test::on_test_device(ops::contiguous(ops::narrow(t, 1, 0, seq))),
+          test::on_test_device(ops::contiguous(ops::narrow(t, 1, 1, seq)))};
+}
+
+// The gradients of two schedules (or two runs) on the test device. The
+// forward only gathers, so losses stay bit-identical on every device; but
+// CUDA's scatter_add (the backward of the embedding and of the experts'
+// combine) adds with atomics in no fixed order (tensor/cuda/index.cu), so
+// there two runs of one schedule may differ in the last bits as well.
+bool same_gradient(const Tensor& a, const Tensor& b) {
+  // Undefined (a parameter no token reached) only matches undefined.
+  if (test::test_device().is_cpu() || !a.defined() || !b.defined()) return ops::equal(a, b);
+  return a.shape() == b.shape() && ops::allclose(test::on_cpu(a), test::on_cpu(b), 1e-6, 1e-9);
 }
 
 struct Run {
@@ -47,13 +61,14 @@ struct Run {
 
 Run train_step(ProcessGroupPtr pg, int layers, bool overlap, int micro_batches,
                const std::function<void(int, bool)>& inject = {}, bool recompute = false) {
-  DeviceMesh mesh(pg, {pg->size()}, {"ep"});
+  DeviceMesh mesh(pg, {pg->size()}, {"ep"}, {}, test::test_device());
   // With recompute the backward starts by re-running the whole forward (its
   // hooks are no-ops); the forward gate parks the forward thread meanwhile, so
   // the re-run's collectives never interleave with the forward's.
   Generator init(3);
   auto model = std::make_shared<nn::TransformerLM>(moe_config(layers, 4), init);
-  DualPipe pipe(model, mesh, Device::cpu(),
+  model->to(test::test_device());
+  DualPipe pipe(model, mesh, test::test_device(),
                 HookCoordinatorOptions{std::chrono::milliseconds(20000), recompute});
   pipe.abort_on_failure(mesh);
   auto forward = [&](int i) {
@@ -114,7 +129,7 @@ TEST_CASE("overlapped schedule is bit-identical to the sequential one", "[dualpi
         }
         RANK_CHECK(rc, seq.grads.size() == ovl.grads.size());
         for (size_t i = 0; i < seq.grads.size(); ++i) {
-          RANK_CHECK(rc, seq.grads[i].defined() && ops::equal(seq.grads[i], ovl.grads[i]));
+          RANK_CHECK(rc, seq.grads[i].defined() && same_gradient(seq.grads[i], ovl.grads[i]));
         }
         ledgers[pg->rank()] = ovl.ledger;
       });
@@ -137,15 +152,17 @@ TEST_CASE("pairs of micro-batches with unequal MoE layer counts", "[dualpipe]") 
     std::vector<std::vector<double>> losses;
     std::vector<std::vector<Tensor>> grads;
     for (bool overlap : {false, true}) {
-      DeviceMesh mesh(pg, {2}, {"ep"});
+      DeviceMesh mesh(pg, {2}, {"ep"}, {}, test::test_device());
       auto coordinator = std::make_shared<HookCoordinator>(
           HookCoordinatorOptions{std::chrono::milliseconds(20000), false});
       Generator init(3);
       auto small = std::make_shared<nn::TransformerLM>(moe_config(2, 4), init);
       auto large = std::make_shared<nn::TransformerLM>(moe_config(4, 4), init);
+      small->to(test::test_device());
+      large->to(test::test_device());
       install_dual_pipe(small, mesh, coordinator);
       install_dual_pipe(large, mesh, coordinator);
-      DualPipeSchedule schedule(coordinator);
+      DualPipeSchedule schedule(coordinator, test::test_device());
       schedule.abort_on_failure({mesh.get_group()});
       auto forward = [&](int i) {
         auto [x, y] = batch(pg->rank(), i, 8);
@@ -164,7 +181,7 @@ TEST_CASE("pairs of micro-batches with unequal MoE layer counts", "[dualpipe]") 
     }
     RANK_CHECK(rc, losses[0] == losses[1]);
     for (size_t i = 0; i < grads[0].size(); ++i)
-      RANK_CHECK(rc, ops::equal(grads[0][i], grads[1][i]));
+      RANK_CHECK(rc, same_gradient(grads[0][i], grads[1][i]));
   });
   rc.report();
   CHECK(ledgers[0] == ledgers[1]);
@@ -180,7 +197,7 @@ TEST_CASE("recompute under the dual-pipe schedule is bit-identical too", "[dualp
     }
     for (size_t i = 0; i < plain.grads.size(); ++i) {
       RANK_CHECK(rc, recomputed.grads[i].defined() == plain.grads[i].defined());
-      RANK_CHECK(rc, ops::equal(plain.grads[i], recomputed.grads[i]));
+      RANK_CHECK(rc, same_gradient(plain.grads[i], recomputed.grads[i]));
     }
   });
   rc.report();

@@ -4,7 +4,8 @@
 // every collective and give the single-rank results: the non-empty shards of
 // the output and of the gradients, and empty (or zero) ones where they hold
 // nothing. Plus the DTensor and context-parallel friction fixes that came
-// with them (issue 15, part 4).
+// with them (issue 15, part 4). The references run on the CPU; the rank
+// threads compute on test::test_device() (tests/support/test_device.h).
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -15,13 +16,15 @@
 #include "parallel/context_parallel.h"
 #include "parallel/dtensor_ops.h"
 #include "tests/support/rank_checks.h"
+#include "tests/support/test_device.h"
 
 using namespace tandem;
 
 namespace {
 
+// `a` from the ranks (on the test device), `b` a CPU reference.
 bool close(const Tensor& a, const Tensor& b, double rtol = 1e-5, double atol = 1e-5) {
-  return a.shape() == b.shape() && ops::allclose(a, b, rtol, atol);
+  return a.shape() == b.shape() && ops::allclose(test::on_cpu(a), b, rtol, atol);
 }
 
 struct CPCase {
@@ -63,10 +66,11 @@ void check_cp(const CPCase& c, bool causal) {
   int empty_ranks = 0;
   run_ranks(c.cp, [&](ProcessGroupPtr pg) {
     const int r = pg->rank();
-    DeviceMesh mesh(pg, {c.cp}, {"cp"});
+    DeviceMesh mesh(pg, {c.cp}, {"cp"}, {}, test::test_device());
     Generator g(1);
     auto attn = nn::make<nn::SelfAttention>(
         {.d_model = d, .n_heads = c.heads, .n_kv_heads = c.kv_heads, .causal = causal}, g);
+    attn->to(test::test_device());
     ContextParallel config;
     config.ulysses_degree = c.ds;
     config.load_balance = c.load_balance;
@@ -80,11 +84,11 @@ void check_cp(const CPCase& c, bool causal) {
       config.apply(attn->core(), mesh);
     }
     auto shard = [&](const Tensor& t) { return shard_sequence(t, 1, c.cp, r, c.load_balance); };
-    Tensor xl = shard(x);
+    Tensor xl = test::on_test_device(shard(x));
     if (xl.shape()[1] == 0 && r == c.cp - 1) empty_ranks = 1;  // the case is what it says
     set_requires_grad(xl);
     Tensor out = (*attn)(xl);
-    backward(sum(mul(out, shard(w))));
+    backward(sum(mul(out, test::on_test_device(shard(w)))));
     RANK_CHECK(rc, close(out, shard(out_ref)));
     RANK_CHECK(rc, grad(xl).defined() && close(grad(xl), shard(grad(xr))));
     auto params = attn->named_parameters();
@@ -138,8 +142,10 @@ TEST_CASE("DTensor ops over a dim that some ranks hold none of", "[dtensor][empt
   Tensor A = ops::randn({5, 3}, gen), B = ops::randn({3, 4}, gen);
   tandem::testing::RankChecks rc;
   run_ranks(4, [&](ProcessGroupPtr pg) {
-    DeviceMesh mesh(pg, {4}, {"tp"});
-    auto dist = [&](const Tensor& t, Placement p) { return DTensor::distribute(t, mesh, {p}); };
+    DeviceMesh mesh(pg, {4}, {"tp"}, {}, test::test_device());
+    auto dist = [&](const Tensor& t, Placement p) {
+      return DTensor::distribute(test::on_test_device(t), mesh, {p});
+    };
     RANK_CHECK(rc, close(sum(dist(A, Shard(0)), {0}).full_tensor(), ops::sum(A, {0})));
     RANK_CHECK(rc, close(mean(dist(A, Shard(0)), {0}).full_tensor(), ops::mean(A, {0})));
     RANK_CHECK(rc, close(mean(dist(A, Shard(1)), {1}).full_tensor(), ops::mean(A, {1})));
@@ -151,7 +157,7 @@ TEST_CASE("DTensor ops over a dim that some ranks hold none of", "[dtensor][empt
     Tensor none = ops::zeros({0, 3});
     DTensor m = mean(dist(none, Shard(1)), {0});
     RANK_CHECK(rc, m.full_tensor().shape() == Shape{3});
-    for (double v : ops::to(m.full_tensor(), DType::F64).to_vector<double>())
+    for (double v : ops::to(test::on_cpu(m.full_tensor()), DType::F64).to_vector<double>())
       RANK_CHECK(rc, std::isnan(v));
   });
   rc.report();
@@ -160,12 +166,12 @@ TEST_CASE("DTensor ops over a dim that some ranks hold none of", "[dtensor][empt
 TEST_CASE("DTensor::distribute keeps requires_grad, as PyTorch's distribute_tensor",
           "[dtensor][empty]") {
   Generator gen(4);
-  Tensor full = ops::randn({5, 3}, gen);  // 5 rows on 4 ranks: [2,2,1,0]
+  Tensor full = test::on_test_device(ops::randn({5, 3}, gen));  // 5 rows on 4 ranks: [2,2,1,0]
   set_requires_grad(full);
-  Tensor plain = ops::randn({5, 3}, gen);
+  Tensor plain = test::on_test_device(ops::randn({5, 3}, gen));
   tandem::testing::RankChecks rc;
   run_ranks(4, [&](ProcessGroupPtr pg) {
-    DeviceMesh mesh(pg, {4}, {"tp"});
+    DeviceMesh mesh(pg, {4}, {"tp"}, {}, test::test_device());
     for (Placement p : {Placement(Shard(0)), Placement(Replicate())}) {
       DTensor d = DTensor::distribute(full, mesh, {p});
       RANK_CHECK(rc, requires_grad(d.to_local()));
@@ -174,7 +180,7 @@ TEST_CASE("DTensor::distribute keeps requires_grad, as PyTorch's distribute_tens
       backward(sum(mul(d.full_tensor(), 2.0)));
       Tensor g = grad(d.to_local());
       RANK_CHECK(rc, g.defined() && g.shape() == d.to_local().shape() &&
-                         ops::allclose(g, ops::full_like(g, 2.0)));
+                         ops::allclose(test::on_cpu(g), ops::full(g.shape(), 2.0)));
     }
     // A tensor that does not require grad gives one that does not either.
     RANK_CHECK(rc, !requires_grad(DTensor::distribute(plain, mesh, {Shard(0)}).to_local()));
@@ -188,10 +194,11 @@ TEST_CASE("DTensor::distribute keeps requires_grad, as PyTorch's distribute_tens
 TEST_CASE("context parallel refusals name what they refuse", "[cp]") {
   tandem::testing::RankChecks rc;
   run_ranks(2, [&](ProcessGroupPtr pg) {
-    DeviceMesh mesh(pg, {2}, {"cp"});
+    DeviceMesh mesh(pg, {2}, {"cp"}, {}, test::test_device());
     Generator g(1);
     auto attn = nn::make<nn::SelfAttention>(
         {.d_model = 24, .n_heads = 6, .n_kv_heads = 3, .causal = true}, g);
+    attn->to(test::test_device());
     // Async ring: the mode is what is refused, not the Ulysses degree.
     AsyncContextParallel a;
     a.config.mode = CPMode::Ring;
@@ -203,7 +210,8 @@ TEST_CASE("context parallel refusals name what they refuse", "[cp]") {
     ContextParallel u;
     u.ulysses_degree = 2;
     u.apply(attn->core(), mesh);
-    RANK_CHECK_THROWS_WITH(rc, (*attn)(ops::zeros({1, 4, 24})), "divide one another");
+    RANK_CHECK_THROWS_WITH(rc, (*attn)(ops::zeros({1, 4, 24}, DType::F32, test::test_device())),
+                           "divide one another");
   });
   rc.report();
 }

@@ -4,7 +4,9 @@
 // batch (it is replicated: the data-parallel reduction sums it, and that sum
 // equals the local MoE's gradient summed over all batches); each expert's
 // gradient on its owner equals the local MoE's gradient summed over every
-// rank's batch (its tokens came from all of them).
+// rank's batch (its tokens came from all of them). The references run on the
+// CPU; the rank threads compute on test::test_device()
+// (tests/support/test_device.h).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include "comm/threads/threads_backend.h"
 #include "parallel/expert_parallel.h"
 #include "tests/support/rank_checks.h"
+#include "tests/support/test_device.h"
 
 using namespace tandem;
 using tandem::testing::RankChecks;
@@ -109,8 +112,9 @@ Reference run_local(nn::MoE& moe, const Tensor& input, const Tensor& w) {
   return ref;
 }
 
+// Either side may be on the test device.
 bool close(const Tensor& a, const Tensor& b) {
-  return a.shape() == b.shape() && ops::allclose(a, b, 1e-9, 1e-11);
+  return a.shape() == b.shape() && ops::allclose(test::on_cpu(a), test::on_cpu(b), 1e-9, 1e-11);
 }
 
 bool starts_with(const std::string& s, const std::string& prefix) {
@@ -135,8 +139,9 @@ void check_config(const Config& c) {
   run_ranks(c.ep, [&](ProcessGroupPtr pg) {
     const int r = pg->rank();
     const Reference& ref = refs[static_cast<size_t>(r)];
-    DeviceMesh mesh(pg, {c.ep}, {"ep"});
+    DeviceMesh mesh(pg, {c.ep}, {"ep"}, {}, test::test_device());
     auto moe = make_moe(c);
+    moe->to(test::test_device());
     expert_parallel(moe, mesh);
 
     const int64_t per_rank = c.experts / c.ep;
@@ -154,10 +159,10 @@ void check_config(const Config& c) {
     std::sort(want.begin(), want.end());
     RANK_CHECK(checks, names == want);
 
-    Tensor x = batch(c, r);
+    Tensor x = test::on_test_device(batch(c, r));
     set_requires_grad(x);
     std::vector<Tensor> out = moe->call(Args{x});
-    backward(loss_of(out, loss_weights(r)));
+    backward(loss_of(out, test::on_test_device(loss_weights(r))));
 
     RANK_CHECK(checks, close(out[0], ref.y));
     RANK_CHECK(checks, close(out[1], ref.aux));
@@ -167,7 +172,7 @@ void check_config(const Config& c) {
       checks.check(close(grad_or_zeros(p), expected),
                    fmt::format("{}: gradient of {} on rank {}", describe(c), name, r));
     }
-    router_grads[static_cast<size_t>(r)] = grad_or_zeros(moe->router()->weight());
+    router_grads[static_cast<size_t>(r)] = test::on_cpu(grad_or_zeros(moe->router()->weight()));
   });
   checks.report();
 
@@ -264,16 +269,17 @@ TEST_CASE("expert-parallel MoE: two micro-batches in flight keep their own state
   RankChecks checks;
   run_ranks(c.ep, [&](ProcessGroupPtr pg) {
     const int r = pg->rank();
-    DeviceMesh mesh(pg, {c.ep}, {"ep"});
+    DeviceMesh mesh(pg, {c.ep}, {"ep"}, {}, test::test_device());
     auto moe = make_moe(c);
+    moe->to(test::test_device());
     expert_parallel(moe, mesh);
     std::vector<Tensor> xs, losses;
     std::vector<std::vector<Tensor>> outs;
     for (int mb = 0; mb < 2; ++mb) {
-      xs.push_back(batch(c, r, mb));
+      xs.push_back(test::on_test_device(batch(c, r, mb)));
       set_requires_grad(xs.back());
       outs.push_back(moe->call(Args{xs.back()}));
-      losses.push_back(loss_of(outs.back(), loss_weights(r, mb)));
+      losses.push_back(loss_of(outs.back(), test::on_test_device(loss_weights(r, mb))));
     }
     for (int mb = 0; mb < 2; ++mb) {
       backward(losses[mb]);
@@ -298,7 +304,7 @@ TEST_CASE("expert-parallel phase hooks fire at A B C D around the right collecti
   RankChecks checks;
   run_ranks(c.ep, [&](ProcessGroupPtr pg) {
     const int r = pg->rank();
-    DeviceMesh mesh(pg, {c.ep}, {"ep"});
+    DeviceMesh mesh(pg, {c.ep}, {"ep"}, {}, test::test_device());
     ProcessGroupPtr group = mesh.get_group();
     std::vector<std::pair<std::string, uint64_t>> events;
     std::vector<int64_t> layers;
@@ -319,16 +325,18 @@ TEST_CASE("expert-parallel phase hooks fire at A B C D around the right collecti
     hooks.after_combine = probe("D");
     auto moe = make_moe(c);
     auto plain = make_moe(c);
+    moe->to(test::test_device());
+    plain->to(test::test_device());
     expert_parallel(moe, mesh, hooks, kLayer);
     expert_parallel(plain, mesh);
 
-    Tensor x = batch(c, r);
+    Tensor x = test::on_test_device(batch(c, r));
     set_requires_grad(x);
     std::vector<Tensor> out = moe->call(Args{x});
     const uint64_t after_forward = group->ledger().size();
-    backward(loss_of(out, loss_weights(r)));
+    backward(loss_of(out, test::on_test_device(loss_weights(r))));
     const uint64_t after_backward = group->ledger().size();
-    std::vector<Tensor> ref = plain->call(Args{batch(c, r)});
+    std::vector<Tensor> ref = plain->call(Args{test::on_test_device(batch(c, r))});
     RANK_CHECK(checks, close(out[0], ref[0]));
 
     std::vector<std::string> order;
@@ -360,15 +368,18 @@ TEST_CASE("expert-parallel phase hooks fire at A B C D around the right collecti
 TEST_CASE("expert parallel rejects E not divisible by ep", "[ep]") {
   RankChecks checks;
   run_ranks(4, [&](ProcessGroupPtr pg) {
-    DeviceMesh mesh(pg, {4}, {"ep"});
+    DeviceMesh mesh(pg, {4}, {"ep"}, {}, test::test_device());
     Generator gen(kSeed);
     auto moe = nn::make<nn::MoE>(
         {.d_model = kModel, .hidden = kHidden, .num_experts = 6, .top_k = 2}, gen);
+    moe->to(test::test_device());
     RANK_CHECK_THROWS_WITH(checks, expert_parallel(moe, mesh),
                            "expected num_experts divisible by ep");
     // Nothing changed: all experts are still here and the local forward runs.
     RANK_CHECK(checks, moe->num_local_experts() == 6 && moe->dispatcher() == nullptr);
-    RANK_CHECK(checks, moe->call(Args{ops::ones({3, kModel})}).size() == 2);
+    RANK_CHECK(
+        checks,
+        moe->call(Args{ops::ones({3, kModel}, DType::F32, test::test_device())}).size() == 2);
   });
   checks.report();
 }
@@ -378,26 +389,29 @@ TEST_CASE("expert parallel on a 2-D mesh uses the ep dim; sharded experts refuse
   RankChecks checks;
   run_ranks(4, [&](ProcessGroupPtr pg) {
     const int r = pg->rank();
-    DeviceMesh mesh(pg, {2, 2}, {"dp", "ep"});
+    DeviceMesh mesh(pg, {2, 2}, {"dp", "ep"}, {}, test::test_device());
     const Config c{2, 4, 1, false};
     auto moe = make_moe(c);
+    moe->to(test::test_device());
     ExpertParallel style;
     style.apply(*moe, mesh);
     const int ep_rank = mesh.get_local_rank("ep");
     RANK_CHECK(checks, moe->first_local_expert() == 2 * ep_rank);
     // Each (dp) replica of the ep pair is its own expert-parallel group.
     Tensor x = batch(c, ep_rank, static_cast<uint64_t>(r / 2));
-    auto local = make_moe(c);
-    RANK_CHECK(checks, close(moe->call(Args{x})[0], local->call(Args{x})[0]));
+    auto local = make_moe(c);  // on the CPU: the reference
+    RANK_CHECK(checks, close(moe->call(Args{test::on_test_device(x)})[0], local->call(Args{x})[0]));
     RANK_CHECK_THROWS_WITH(checks, style.apply(*moe, mesh), "expected an MoE with all 4 experts");
     RANK_CHECK_THROWS_WITH(checks, moe->expert(2 * (1 - ep_rank)), "expected a local expert");
 
     Generator gen(kSeed);
     auto partial = nn::make<nn::MoE>(
         {.d_model = kModel, .hidden = kHidden, .num_experts = 4, .top_k = 1}, gen);
+    partial->to(test::test_device());
     partial->keep_experts(0, 2);
-    RANK_CHECK_THROWS_WITH(checks, partial->call(Args{ops::ones({3, kModel})}),
-                           "expected all 4 experts on this rank or a dispatcher");
+    RANK_CHECK_THROWS_WITH(
+        checks, partial->call(Args{ops::ones({3, kModel}, DType::F32, test::test_device())}),
+        "expected all 4 experts on this rank or a dispatcher");
   });
   checks.report();
 }
