@@ -1,6 +1,10 @@
 // Distributed checkpoints (parallel/checkpoint.h): pieces saved under one
 // layout load bit-exactly under another, consolidate into whole tensors, and
 // a save that dies at any stage leaves the previous checkpoint loadable.
+//
+// The ranks save pieces on test_device() (tests/support/test_device.h) and
+// loads fill pieces there; the expected pieces are built on the CPU, and what
+// was loaded must equal them bit for bit.
 #include <catch2/catch.hpp>
 
 #include <sys/wait.h>
@@ -16,6 +20,7 @@
 #include "tensor/ops.h"
 #include "tensor/safetensors.h"
 #include "tests/support/rank_checks.h"
+#include "tests/support/test_device.h"
 #include "tests/support/test_util.h"
 
 using namespace tandem;
@@ -48,18 +53,33 @@ std::vector<TensorPiece> pieces_for(int rank, int parts, int dim_a) {
   return out;
 }
 
-// Empty pieces of the same layout to load into.
+// The same pieces with their blocks on `device`.
+std::vector<TensorPiece> pieces_on(std::vector<TensorPiece> pieces, Device device) {
+  for (TensorPiece& p : pieces)
+    p.local = ops::to(p.local, device);
+  return pieces;
+}
+
+// Empty pieces of the same layout, on test_device(), to load into.
 std::vector<TensorPiece> empty_like_pieces(std::vector<TensorPiece> pieces) {
   for (TensorPiece& p : pieces) {
-    p.local = ops::full(p.local.shape(), -1.0, p.local.dtype());
+    p.local = ops::full(p.local.shape(), -1.0, p.local.dtype(), test::test_device());
     p.write = true;
   }
   return pieces;
 }
 
-void save_layout(const fs::path& root, int64_t step, int parts, int dim_a) {
+// `got`, a loaded block, is still on test_device() and equals `want`, a CPU
+// tensor, bit for bit.
+bool loaded_equal(const Tensor& got, const Tensor& want) {
+  return got.device() == test::test_device() && ops::equal(test::on_cpu(got), want);
+}
+
+void save_layout(const fs::path& root, int64_t step, int parts, int dim_a,
+                 Device device = test::test_device()) {
   run_ranks(parts, [&](ProcessGroupPtr pg) {
-    save_checkpoint(root.string(), step, pieces_for(pg->rank(), parts, dim_a), {{"k", "v"}}, pg);
+    save_checkpoint(root.string(), step, pieces_on(pieces_for(pg->rank(), parts, dim_a), device),
+                    {{"k", "v"}}, pg);
   });
 }
 
@@ -81,7 +101,7 @@ TEST_CASE("checkpoint pieces reshard on load", "[checkpoint]") {
         std::vector<TensorPiece> got = empty_like_pieces(want);
         load_checkpoint(info, got);
         for (size_t i = 0; i < want.size(); ++i)
-          CHECK(ops::equal(got[i].local, want[i].local));
+          CHECK(loaded_equal(got[i].local, want[i].local));
       }
     }
   }
@@ -116,9 +136,11 @@ TEST_CASE("checkpoint errors name what is wrong", "[checkpoint]") {
   CheckpointInfo info = find_checkpoint(dir.path.string());
 
   // A tensor the checkpoint lacks, and a global shape that differs.
-  std::vector<TensorPiece> missing = {{"zzz", ops::zeros({2}), Shape{2}, {0}}};
+  std::vector<TensorPiece> missing = {
+      {"zzz", ops::zeros({2}, DType::F32, test::test_device()), Shape{2}, {0}}};
   CHECK_THROWS_WITH(load_checkpoint(info, missing), Catch::Contains("expected tensor 'zzz'"));
-  std::vector<TensorPiece> reshaped = {{"a", ops::zeros({6, 11}), Shape{6, 11}, {0, 0}}};
+  std::vector<TensorPiece> reshaped = {
+      {"a", ops::zeros({6, 11}, DType::F32, test::test_device()), Shape{6, 11}, {0, 0}}};
   CHECK_THROWS_WITH(load_checkpoint(info, reshaped),
                     Catch::Contains("expected global shape") && Catch::Contains("'a'"));
 
@@ -159,7 +181,7 @@ TEST_CASE("a save that dies at any stage leaves the previous checkpoint", "[chec
     CHECK(info.step == 1);
     std::vector<TensorPiece> got = empty_like_pieces(pieces_for(0, 1, 0));
     load_checkpoint(info, got);
-    CHECK(ops::equal(got[0].local, whole_a()));
+    CHECK(loaded_equal(got[0].local, whole_a()));
     // The next save succeeds and clears what the dead one left behind.
     save_layout(dir.path, 3, 2, 0);
     CHECK(find_checkpoint(dir.path.string()).step == 3);
@@ -191,7 +213,8 @@ TEST_CASE("a save killed mid-way in a child process leaves the previous checkpoi
         if (at == stage) ::_exit(3);
       });
       try {
-        save_layout(dir.path, 2, 1, 0);
+        // CPU only: CUDA cannot be used in a child forked after the parent used it.
+        save_layout(dir.path, 2, 1, 0, Device::cpu());
       } catch (...) {
       }
       ::_exit(0);
@@ -204,7 +227,7 @@ TEST_CASE("a save killed mid-way in a child process leaves the previous checkpoi
     CHECK(info.step == (std::string(stage) == "latest" ? 2 : 1));
     std::vector<TensorPiece> got = empty_like_pieces(pieces_for(0, 1, 0));
     load_checkpoint(info, got);
-    CHECK(ops::equal(got[1].local, whole_b()));
+    CHECK(loaded_equal(got[1].local, whole_b()));
   }
 }
 
@@ -212,7 +235,8 @@ TEST_CASE("checkpoints beyond keep are pruned", "[checkpoint]") {
   TempDir dir("ckpt");
   for (int64_t step : {1, 2, 3, 4}) {
     run_ranks(2, [&](ProcessGroupPtr pg) {
-      save_checkpoint(dir.path.string(), step, pieces_for(pg->rank(), 2, 0), {}, pg, 2);
+      save_checkpoint(dir.path.string(), step,
+                      pieces_on(pieces_for(pg->rank(), 2, 0), test::test_device()), {}, pg, 2);
     });
   }
   CHECK_FALSE(fs::exists(dir.path / "step-00000001"));

@@ -1,6 +1,10 @@
 // Parameter placements (Note [Parameter placements]) and the step-end work
 // that reads them: gradient reduction over data dims, the global gradient
 // norm, checkpoint pieces and the mesh's list of groups.
+//
+// Meshes, modules, parameters and gradients live on test_device()
+// (tests/support/test_device.h); expected values are computed on the CPU and
+// results are read back there.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -14,22 +18,33 @@
 #include "parallel/param_placement.h"
 #include "parallel/tensor_parallel.h"
 #include "tests/support/rank_checks.h"
+#include "tests/support/test_device.h"
 
 using namespace tandem;
 
 namespace {
 
-Tensor leaf(Tensor t) {
+// A parameter-like leaf of zeros on test_device().
+Tensor leaf(const Shape& shape) {
+  Tensor t = ops::zeros(shape, DType::F32, test::test_device());
   set_requires_grad(t);
   return t;
 }
 
 Tensor filled(const Shape& shape, double value) {
-  return ops::full(shape, value);
+  return ops::full(shape, value, DType::F32, test::test_device());
 }
 
+// `t` is on test_device() and every element is `value`.
 bool all_equal(const Tensor& t, double value) {
-  return t.defined() && ops::equal(t, ops::full(t.shape(), value, t.dtype()));
+  return t.defined() && t.device() == test::test_device() &&
+         ops::equal(test::on_cpu(t), ops::full(t.shape(), value, t.dtype()));
+}
+
+// `got` is on test_device() and equals `want`, a CPU tensor, exactly.
+bool equal_on_cpu(const Tensor& got, const Tensor& want) {
+  return got.defined() && got.device() == test::test_device() &&
+         ops::equal(test::on_cpu(got), want);
 }
 
 }  // namespace
@@ -37,13 +52,14 @@ bool all_equal(const Tensor& t, double value) {
 TEST_CASE("parallel styles record each parameter's placement", "[placement]") {
   tandem::testing::RankChecks rc;
   run_ranks(4, [&](ProcessGroupPtr world) {
-    DeviceMesh mesh(world, {2, 2}, {"dp", "tp"});
+    DeviceMesh mesh(world, {2, 2}, {"dp", "tp"}, {}, test::test_device());
     nn::TransformerBlockConfig cfg;
     cfg.d_model = 10;  // 10 features over tp 2: chunks of 5
     cfg.n_heads = 2;
     cfg.hidden = 12;
     Generator init(1);
     auto block = std::make_shared<nn::TransformerBlock>(cfg, init);
+    block->to(test::test_device());
     parallelize_module(block, mesh.slice("tp"),
                        {{"attn.q_proj", colwise()}, {"attn.o_proj", rowwise()}});
     block->to(DType::F64);  // Module::to keeps the records
@@ -82,10 +98,11 @@ TEST_CASE("parallel styles record each parameter's placement", "[placement]") {
 TEST_CASE("expert parallelism records its experts as owned by one ep rank", "[placement]") {
   tandem::testing::RankChecks rc;
   run_ranks(2, [&](ProcessGroupPtr world) {
-    DeviceMesh mesh(world, {2}, {"ep"});
+    DeviceMesh mesh(world, {2}, {"ep"}, {}, test::test_device());
     Generator init(2);
     auto moe = std::make_shared<nn::MoE>(
         nn::MoEOptions{.d_model = 8, .hidden = 8, .num_experts = 4, .top_k = 2}, init);
+    moe->to(test::test_device());
     expert_parallel(moe, mesh);
     int owned = 0;
     for (auto& [name, p] : moe->named_parameters()) {
@@ -107,10 +124,10 @@ TEST_CASE("reduce_gradients reduces over the data dims each parameter is replica
           "[data-parallel]") {
   tandem::testing::RankChecks rc;
   run_ranks(4, [&](ProcessGroupPtr world) {
-    DeviceMesh mesh(world, {2, 2}, {"dp", "ep"});  // rank = 2 dp + ep
+    DeviceMesh mesh(world, {2, 2}, {"dp", "ep"}, {}, test::test_device());  // rank = 2 dp + ep
     const int rank = world->rank(), ep = mesh.get_local_rank("ep");
-    Tensor dense = leaf(ops::zeros({3})), expert = leaf(ops::zeros({2, 2}));
-    Tensor idle = leaf(ops::zeros({2})), idle_expert = leaf(ops::zeros({1}));
+    Tensor dense = leaf({3}), expert = leaf({2, 2});
+    Tensor idle = leaf({2}), idle_expert = leaf({1});
     record_owned(expert, "ep");
     record_owned(idle_expert, "ep");
     for (RedOp op : {RedOp::Sum, RedOp::Avg}) {
@@ -143,7 +160,7 @@ TEST_CASE("reduce_gradients reduces over the data dims each parameter is replica
 TEST_CASE("clip_grad_norm counts every element of the global parameters once", "[data-parallel]") {
   tandem::testing::RankChecks rc;
   run_ranks(4, [&](ProcessGroupPtr world) {
-    DeviceMesh mesh(world, {2, 2}, {"dp", "tp"});
+    DeviceMesh mesh(world, {2, 2}, {"dp", "tp"}, {}, test::test_device());
     const DeviceMesh tp_mesh = mesh.slice("tp");
     const int tp = mesh.get_local_rank("tp");
     // The whole gradients, the same on every rank: a tp-sharded 5x3 weight
@@ -151,29 +168,30 @@ TEST_CASE("clip_grad_norm counts every element of the global parameters once", "
     const Tensor whole = ops::reshape(ops::arange(1, 16, 1, DType::F32), Shape{5, 3});
     const Tensor vector = ops::from_vector(std::vector<float>{2, -1, 4}, Shape{3});
     const auto [start, length] = chunk_range(5, 2, tp);
-    Tensor w = leaf(ops::zeros({length, 3})), v = leaf(ops::zeros({3}));
+    Tensor w = leaf({length, 3}), v = leaf({3});
     record_shard(w, tp_mesh, 0, Shape{5, 3});
     const Tensor w_grad = ops::contiguous(ops::narrow(whole, 0, start, length));
     auto reset = [&] {
-      set_grad(w, w_grad);
-      set_grad(v, vector);
+      set_grad(w, test::on_test_device(w_grad));
+      set_grad(v, test::on_test_device(vector));
     };
     const double expected = std::sqrt(ops::sum(ops::mul(whole, whole)).item_double() +
                                       ops::sum(ops::mul(vector, vector)).item_double());
     reset();
     const double norm = clip_grad_norm({w, v}, mesh, 0);  // 0: measure only
     RANK_CHECK(rc, std::abs(norm - expected) < 1e-9 * expected);
-    RANK_CHECK(rc, ops::equal(grad(w), w_grad) && ops::equal(grad(v), vector));
+    RANK_CHECK(rc, equal_on_cpu(grad(w), w_grad) && equal_on_cpu(grad(v), vector));
     reset();
     const double clipped_norm = clip_grad_norm({w, v}, mesh, expected / 2);
     const double scale = (expected / 2) / (expected + 1e-6);
     RANK_CHECK(rc, clipped_norm == norm);
-    RANK_CHECK(rc, ops::allclose(grad(w), ops::mul(w_grad, scale), 1e-6, 0) &&
-                       ops::allclose(grad(v), ops::mul(vector, scale), 1e-6, 0));
+    RANK_CHECK(rc, grad(w).device() == test::test_device() &&
+                       ops::allclose(test::on_cpu(grad(w)), ops::mul(w_grad, scale), 1e-6, 0) &&
+                       ops::allclose(test::on_cpu(grad(v)), ops::mul(vector, scale), 1e-6, 0));
     // Below the bound nothing changes.
     reset();
     clip_grad_norm({w, v}, mesh, expected * 2);
-    RANK_CHECK(rc, ops::equal(grad(w), w_grad));
+    RANK_CHECK(rc, equal_on_cpu(grad(w), w_grad));
   });
   rc.report();
 }
@@ -182,9 +200,9 @@ TEST_CASE("placed_piece: global geometry from the placement, one writer per copy
   tandem::testing::RankChecks rc;
   std::vector<int> writers_sharded(4), writers_replicated(4);
   run_ranks(4, [&](ProcessGroupPtr world) {
-    DeviceMesh mesh(world, {2, 2}, {"dp", "tp"});
+    DeviceMesh mesh(world, {2, 2}, {"dp", "tp"}, {}, test::test_device());
     const int rank = world->rank(), tp = mesh.get_local_rank("tp");
-    Tensor w = leaf(ops::zeros({2, 4})), b = leaf(ops::zeros({4}));
+    Tensor w = leaf({2, 4}), b = leaf({4});
     record_shard(w, mesh.slice("tp"), 0, Shape{4, 4});
     const TensorPiece piece = placed_piece("w", w, w, mesh);
     RANK_CHECK(rc, piece.global_shape == Shape({4, 4}) &&
@@ -192,7 +210,8 @@ TEST_CASE("placed_piece: global geometry from the placement, one writer per copy
     writers_sharded[rank] = piece.write;
     writers_replicated[rank] = placed_piece("b", b, b, mesh).write;
     // A step count beside the parameter is whole.
-    const TensorPiece step = placed_piece("w.step", ops::zeros({}), w, mesh);
+    const TensorPiece step =
+        placed_piece("w.step", ops::zeros({}, DType::F32, test::test_device()), w, mesh);
     RANK_CHECK(rc, step.global_shape == Shape{} && step.offsets.empty());
   });
   rc.report();
@@ -204,7 +223,7 @@ TEST_CASE("placed_piece: global geometry from the placement, one writer per copy
 TEST_CASE("a mesh lists every group created from it", "[mesh]") {
   tandem::testing::RankChecks rc;
   run_ranks(4, [&](ProcessGroupPtr world) {
-    DeviceMesh mesh(world, {2, 2}, {"a", "b"});
+    DeviceMesh mesh(world, {2, 2}, {"a", "b"}, {}, test::test_device());
     const size_t before = mesh.all_groups().size();  // world + one group per dim
     RANK_CHECK(rc, before == 3 && mesh.all_groups()[0] == world);
     ProcessGroupPtr both = mesh.group_over({"a", "b"});
@@ -220,7 +239,7 @@ TEST_CASE("a mesh lists every group created from it", "[mesh]") {
 TEST_CASE("sum_over adds host values over the named dims", "[data-parallel]") {
   tandem::testing::RankChecks rc;
   run_ranks(4, [&](ProcessGroupPtr world) {
-    DeviceMesh mesh(world, {2, 2}, {"dp", "cp"});
+    DeviceMesh mesh(world, {2, 2}, {"dp", "cp"}, {}, test::test_device());
     const double r = world->rank();
     const std::vector<double> all = sum_over(mesh, {"dp", "cp"}, {r, 1.0});
     const std::vector<double> dp = sum_over(mesh, {"dp"}, {r});

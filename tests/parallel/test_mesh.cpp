@@ -8,7 +8,9 @@
 // rank (which also gives their order) and an all_reduce of (1 << world rank).
 // Rank functions run on the rank threads of run_ranks, where Catch2's
 // assertions must not be used: each rank records what it found in a Failures
-// list, and the test thread asserts that it is empty.
+// list, and the test thread asserts that it is empty. Meshes are built on
+// test_device() and the collectives that check their groups move data there
+// (tests/support/test_device.h).
 #include <catch2/catch.hpp>
 
 #include <fmt/ranges.h>
@@ -21,6 +23,7 @@
 #include "comm/threads/threads_backend.h"
 #include "parallel/device_mesh.h"
 #include "tests/support/rank_checks.h"
+#include "tests/support/test_device.h"
 #include "tests/support/test_util.h"
 
 namespace tandem {
@@ -78,7 +81,7 @@ struct MeshCase {
     return out;
   }
   DeviceMesh build(const ProcessGroupPtr& world) const {
-    return DeviceMesh(world, shape, names, ranks);
+    return DeviceMesh(world, shape, names, ranks, test::test_device());
   }
   std::string label() const {
     std::string s =
@@ -113,21 +116,23 @@ void check_group(Failures& failures, int world_rank, const std::string& what,
   failures.expect_eq(world_rank, what + " rank", group->rank(), want_rank);
   failures.expect_eq(world_rank, what + " world_ranks", group->world_ranks(), members);
 
-  WorkPtr gathered =
-      group->all_gather(ops::full(Shape{1}, static_cast<double>(world_rank), DType::I64));
+  WorkPtr gathered = group->all_gather(
+      test::on_test_device(ops::full(Shape{1}, static_cast<double>(world_rank), DType::I64)));
   gathered->synchronize();
   std::vector<double> want_gather(members.begin(), members.end());
-  failures.expect_eq(world_rank, what + " all_gather of world ranks", values_of(gathered->result()),
-                     want_gather);
+  failures.expect_eq(world_rank, what + " all_gather on the test device",
+                     gathered->result().device().str(), test::test_device().str());
+  failures.expect_eq(world_rank, what + " all_gather of world ranks",
+                     values_of(test::on_cpu(gathered->result())), want_gather);
 
-  WorkPtr bits = group->all_reduce(
-      ops::full(Shape{1}, static_cast<double>(int64_t{1} << world_rank), DType::I64));
+  WorkPtr bits = group->all_reduce(test::on_test_device(
+      ops::full(Shape{1}, static_cast<double>(int64_t{1} << world_rank), DType::I64)));
   bits->synchronize();
   int64_t want_bits = 0;
   for (int m : members)
     want_bits |= int64_t{1} << m;
   failures.expect_eq(world_rank, what + " all_reduce of 1 << world rank",
-                     bits->result().item<int64_t>(), want_bits);
+                     test::on_cpu(bits->result()).item<int64_t>(), want_bits);
 }
 
 std::vector<int> iota_dims(int n) {
@@ -149,6 +154,7 @@ TEST_CASE("DeviceMesh: shape, names, coordinate and local ranks", "[mesh]") {
         failures.expect_eq(r, "shape", mesh.shape(), mc.shape);
         failures.expect_eq(r, "dim_names", mesh.dim_names(), mc.names);
         failures.expect_eq(r, "coordinate", mesh.coordinate(), coord);
+        failures.expect_eq(r, "device", mesh.device().str(), test::test_device().str());
         for (int d = 0; d < mesh.ndim(); ++d) {
           const std::string& name = mc.names[d];
           failures.expect_eq(r, "dim_index " + name, mesh.dim_index(name), d);
@@ -209,6 +215,7 @@ void check_sub_mesh(Failures& failures, int r, const std::string& what, const De
   failures.expect_eq(r, what + " dim_names", sub.dim_names(), want_names);
   failures.expect_eq(r, what + " coordinate", sub.coordinate(), want_coord);
   failures.expect_eq(r, what + " size()", sub.size(), test::numel_of(want_shape));
+  failures.expect_eq(r, what + " device", sub.device().str(), test::test_device().str());
   for (size_t i = 0; i < dims.size(); ++i) {
     const int d = dims[i];
     failures.expect_eq(r, what + " get_local_rank(" + mc.names[d] + ")",
@@ -298,6 +305,7 @@ TEST_CASE("DeviceMesh: flatten, then get_group and slice by the new name", "[mes
         failures.expect_eq(r, "flatten coordinate", flat.coordinate(),
                            std::vector<int64_t>{ravel(coord, mc.shape)});
         check_group(failures, r, "flatten(flat).get_group()", flat.get_group(), all);
+        failures.expect_eq(r, "flatten device", flat.device().str(), test::test_device().str());
         failures.expect(r, "root get_group(flat) is the flattened group",
                         mesh.get_group("flat") == flat.get_group());
         failures.expect(r, "root slice(flat) == flatten(flat)", mesh.slice("flat") == flat);

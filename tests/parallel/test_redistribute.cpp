@@ -19,6 +19,11 @@
 // Rank functions run on the rank threads of run_ranks, where Catch2's
 // assertions must not be used: each rank records what it found in a Failures
 // list, and the test thread asserts that it is empty.
+//
+// Meshes, sources and loss weights live on test_device()
+// (tests/support/test_device.h); results must stay there and are read back
+// on the CPU. Redistribution only moves and adds data, so CUDA results are
+// compared exactly too.
 #include <catch2/catch.hpp>
 
 #include <fmt/ranges.h>
@@ -33,6 +38,7 @@
 #include "comm/threads/threads_backend.h"
 #include "parallel/dtensor.h"
 #include "tests/support/rank_checks.h"
+#include "tests/support/test_device.h"
 #include "tests/support/test_util.h"
 
 namespace tandem {
@@ -47,11 +53,17 @@ using test::unravel;
 using test::values_of;
 using Values = std::vector<double>;
 
-// Records a failure unless `got` has `shape` and exactly the values `want`.
+// Records a failure unless `got` is on test_device() and has `shape` and
+// exactly the values `want`.
 void expect_tensor(Failures& failures, int rank, const std::string& what, const Tensor& got,
                    const std::vector<int64_t>& shape, const Values& want) {
   if (!got.defined()) {
     failures.add(fmt::format("rank {}: {}: undefined", rank, what));
+    return;
+  }
+  if (got.device() != test::test_device()) {
+    failures.add(fmt::format("rank {}: {}: expected a tensor on {}, got one on {}", rank, what,
+                             test::test_device(), got.device()));
     return;
   }
   if (got.shape().vec() != shape) {
@@ -59,7 +71,7 @@ void expect_tensor(Failures& failures, int rank, const std::string& what, const 
                              fmt::join(shape, ","), got.shape().str()));
     return;
   }
-  Values values = values_of(got);
+  Values values = values_of(test::on_cpu(got));
   for (size_t i = 0; i < values.size(); ++i) {
     if (values[i] != want[i]) {
       failures.add(fmt::format("rank {}: {}: expected {} at flat index {}, got {} (shape [{}])",
@@ -67,6 +79,11 @@ void expect_tensor(Failures& failures, int rank, const std::string& what, const 
       return;
     }
   }
+}
+
+// Zeros on test_device(): a local tensor whose values do not matter.
+Tensor device_zeros(const Shape& shape) {
+  return ops::zeros(shape, DType::F32, test::test_device());
 }
 
 // Runs one case on a rank; an exception is rethrown with the case named (so
@@ -92,7 +109,7 @@ DeviceMesh make_mesh(const ProcessGroupPtr& world, const MeshShape& shape,
                      const std::vector<int>& ranks = {}) {
   std::vector<std::string> names =
       shape.size() == 1 ? std::vector<std::string>{"x"} : std::vector<std::string>{"a", "b"};
-  return DeviceMesh(world, shape, names, ranks);
+  return DeviceMesh(world, shape, names, ranks, test::test_device());
 }
 
 std::vector<int64_t> coordinate_of(int rank, const MeshShape& shape,
@@ -248,7 +265,7 @@ Source make_source(const std::vector<int64_t>& global, const Placements& from,
                    const DeviceMesh& mesh, const MeshShape& ms, const std::vector<int64_t>& coord) {
   const Block b = block_of(global, from, ms, coord);
   Values local = take(partial_values(global_x(numel_of(global)), from, ms, coord), global, b);
-  Tensor leaf = requires_grad_(tensor_of(local, Shape(b.shape)));
+  Tensor leaf = requires_grad_(test::on_test_device(tensor_of(local, Shape(b.shape))));
   return {leaf, DTensor::from_local(leaf, mesh, from, Shape(global))};
 }
 
@@ -278,7 +295,7 @@ void check_redistribute(Failures& failures, int rank, const std::string& what,
   }
 
   const Block wb = block_of(global, grad_placements(to), ms, coord);
-  Tensor w_local = tensor_of(take(w, global, wb), Shape(wb.shape));
+  Tensor w_local = test::on_test_device(tensor_of(take(w, global, wb), Shape(wb.shape)));
   backward(sum(mul(out.to_local(), w_local)));
   const Block gb = block_of(global, grad_placements(from), ms, coord);
   expect_tensor(failures, rank, what + " backward: source gradient", grad(src.leaf), gb.shape,
@@ -628,7 +645,8 @@ TEST_CASE("redistribute_async: the pending result equals the synchronous one", "
                                  placements_str(to));
               failures.expect_eq(rank, what + " shape", got.shape().vec(), global);
               expect_tensor(failures, rank, what + " value", got.to_local(),
-                            sync.to_local().shape().vec(), values_of(sync.to_local()));
+                            sync.to_local().shape().vec(),
+                            values_of(test::on_cpu(sync.to_local())));
             });
           }
         });
@@ -659,7 +677,7 @@ TEST_CASE("from_local: without a global shape, uneven shards are summed up", "[r
               std::vector<int64_t>{1, 11}}) {
           in_case(shape_label(global), [&] {
             const Block b = block_of(global, placements, ms, unravel(rank, ms));
-            DTensor t = DTensor::from_local(ops::zeros(Shape(b.shape)), mesh, placements);
+            DTensor t = DTensor::from_local(device_zeros(Shape(b.shape)), mesh, placements);
             failures.expect_eq(rank, shape_label(global) + " inferred global shape",
                                t.shape().vec(), global);
           });
@@ -722,7 +740,7 @@ TEST_CASE("distribute: shards slice the full tensor, Partial(sum) keeps it on co
         const Placements replicated(ms.size(), Replicate());
         for (const auto& global : kShapes) {
           const Values x = global_x(numel_of(global));
-          Tensor full = tensor_of(x, Shape(global));
+          Tensor full = test::on_test_device(tensor_of(x, Shape(global)));
           std::vector<Placements> lists = all_placements(ms.size());
           lists.push_back(Placements(ms.size(), Partial(RedOp::Max)));
           for (const Placements& p : lists) {
@@ -758,37 +776,37 @@ TEST_CASE("redistribute: errors name what was expected", "[redistribute]") {
   SECTION("wrong number of placements") {
     REQUIRE_THROWS_WITH(
         on_line([](const DeviceMesh& mesh) {
-          DTensor t = DTensor::from_local(ops::zeros({3, 4}), mesh, {Shard(0)}, Shape{6, 4});
+          DTensor t = DTensor::from_local(device_zeros({3, 4}), mesh, {Shard(0)}, Shape{6, 4});
           t.redistribute({Replicate(), Replicate()});
         }),
         Contains("one placement per mesh dim (1)"));
     REQUIRE_THROWS_WITH(
         on_line([](const DeviceMesh& mesh) {
-          DTensor::from_local(ops::zeros({3, 4}), mesh, {Shard(0), Shard(1)}, Shape{6, 4});
+          DTensor::from_local(device_zeros({3, 4}), mesh, {Shard(0), Shard(1)}, Shape{6, 4});
         }),
         Contains("one placement per mesh dim (1)"));
     REQUIRE_THROWS_WITH(on_line([](const DeviceMesh& mesh) {
-                          DTensor::distribute(ops::zeros({6, 4}), mesh, {});
+                          DTensor::distribute(device_zeros({6, 4}), mesh, {});
                         }),
                         Contains("one placement per mesh dim (1)"));
   }
   SECTION("Partial(sum) -> Partial(max)") {
     REQUIRE_THROWS_WITH(
         on_line([](const DeviceMesh& mesh) {
-          DTensor t = DTensor::from_local(ops::zeros({6, 4}), mesh, {Partial()}, Shape{6, 4});
+          DTensor t = DTensor::from_local(device_zeros({6, 4}), mesh, {Partial()}, Shape{6, 4});
           t.redistribute({Partial(RedOp::Max)});
         }),
         Contains("Partial(sum)") && Contains("Partial(max)") && Contains("cannot be converted"));
   }
   SECTION("a shard dim beyond the tensor") {
     REQUIRE_THROWS(on_line([](const DeviceMesh& mesh) {
-      DTensor t = DTensor::from_local(ops::zeros({6, 4}), mesh, {Replicate()}, Shape{6, 4});
+      DTensor t = DTensor::from_local(device_zeros({6, 4}), mesh, {Replicate()}, Shape{6, 4});
       t.redistribute({Shard(2)});
     }));
   }
   SECTION("a local tensor that does not fit the global shape") {
     REQUIRE_THROWS_WITH(on_line([](const DeviceMesh& mesh) {
-                          DTensor::from_local(ops::zeros({4, 4}), mesh, {Shard(0)}, Shape{6, 4});
+                          DTensor::from_local(device_zeros({4, 4}), mesh, {Shard(0)}, Shape{6, 4});
                         }),
                         Contains("expected a local tensor of shape"));
   }

@@ -1,5 +1,9 @@
 // Tensor parallelism and DTensor sharding propagation: every result is
 // compared with the same computation on full tensors on one rank.
+//
+// References are computed on the CPU; the ranks compute on test_device()
+// (tests/support/test_device.h), with modules moved there before they are
+// sharded, and their results are read back on the CPU.
 #include <catch2/catch.hpp>
 
 #include "autograd/nn/transformer.h"
@@ -8,13 +12,17 @@
 #include "parallel/dtensor_ops.h"
 #include "parallel/tensor_parallel.h"
 #include "tests/support/rank_checks.h"
+#include "tests/support/test_device.h"
 
 using namespace tandem;
 
 namespace {
 
-bool close(const Tensor& a, const Tensor& b, double rtol = 1e-5, double atol = 1e-6) {
-  return a.shape() == b.shape() && ops::allclose(a, b, rtol, atol);
+// `got`, a rank's result, must be on test_device() and close to `want`, a
+// CPU reference.
+bool close(const Tensor& got, const Tensor& want, double rtol = 1e-5, double atol = 1e-6) {
+  return got.device() == test::test_device() && got.shape() == want.shape() &&
+         ops::allclose(test::on_cpu(got), want, rtol, atol);
 }
 
 ParallelizePlan megatron_plan() {
@@ -72,11 +80,12 @@ TEST_CASE("tensor-parallel transformer block equals the single-rank block", "[tp
       SECTION("tp=" + std::to_string(tp) + (norm == nn::NormKind::Layer ? " layer" : " rms")) {
         std::vector<int> failures(static_cast<size_t>(tp), -1);
         run_ranks(tp, [&](ProcessGroupPtr pg) {
-          DeviceMesh mesh(pg, {tp}, {"tp"});
+          DeviceMesh mesh(pg, {tp}, {"tp"}, {}, test::test_device());
           Generator g(1);
           auto block = std::make_shared<nn::TransformerBlock>(cfg, g);
+          block->to(test::test_device());
           parallelize_module(block, mesh, megatron_plan());
-          Tensor xl = ops::clone(x);
+          Tensor xl = test::on_test_device(x);
           set_requires_grad(xl);
           Tensor y = block->call(Args{xl})[0];
           backward(sum(mul(y, y)));
@@ -109,13 +118,15 @@ TEST_CASE("column- then row-parallel linears with a bias", "[tp]") {
   backward(sum(mul(yr, yr)));
   tandem::testing::RankChecks rc;
   run_ranks(2, [&](ProcessGroupPtr pg) {
-    DeviceMesh mesh(pg, {2}, {"tp"});
+    DeviceMesh mesh(pg, {2}, {"tp"}, {}, test::test_device());
     Generator g(5);
     auto la = nn::make<nn::Linear>({.in_features = 6, .out_features = 8, .bias = true}, g);
     auto lb = nn::make<nn::Linear>({.in_features = 8, .out_features = 6, .bias = true}, g);
+    la->to(test::test_device());
+    lb->to(test::test_device());
     colwise()->apply(*la, mesh);
     rowwise()->apply(*lb, mesh);
-    Tensor xl = ops::clone(x);
+    Tensor xl = test::on_test_device(x);
     set_requires_grad(xl);
     Tensor y = (*lb)((*la)(xl));
     backward(sum(mul(y, y)));
@@ -140,8 +151,10 @@ TEST_CASE("DTensor ops derive placements and match the full computation", "[tp][
   // Every rank reads these; none draws random numbers of its own.
   tandem::testing::RankChecks rc;
   run_ranks(2, [&](ProcessGroupPtr pg) {
-    DeviceMesh mesh(pg, {2}, {"tp"});
-    auto dist = [&](const Tensor& t, Placement p) { return DTensor::distribute(t, mesh, {p}); };
+    DeviceMesh mesh(pg, {2}, {"tp"}, {}, test::test_device());
+    auto dist = [&](const Tensor& t, Placement p) {
+      return DTensor::distribute(test::on_test_device(t), mesh, {p});
+    };
 
     // Elementwise with broadcasting: a row-sharded matrix plus a replicated vector.
     DTensor s = add(dist(A, Shard(0)), dist(v, Replicate()));
@@ -203,7 +216,8 @@ TEST_CASE("DTensor ops derive placements and match the full computation", "[tp][
       RANK_CHECK(rc, close(e.full_tensor(), want));
 
     // reshape keeps a shard whose dim survives; transpose moves it.
-    DTensor t3 = DTensor::distribute(ops::reshape(A, {6, 2, 2}), mesh, {Shard(0)});
+    DTensor t3 =
+        DTensor::distribute(test::on_test_device(ops::reshape(A, {6, 2, 2})), mesh, {Shard(0)});
     DTensor flat = reshape(t3, {6, 4});
     RANK_CHECK(rc, flat.placements()[0] == Shard(0));
     RANK_CHECK(rc, close(flat.full_tensor(), A));
@@ -224,10 +238,10 @@ TEST_CASE("gradients through DTensor ops follow the convention", "[tp][dtensor-o
   for (Placement pw : {Shard(0), Shard(1), Replicate()}) {
     tandem::testing::RankChecks rc;
     run_ranks(2, [&](ProcessGroupPtr pg) {
-      DeviceMesh mesh(pg, {2}, {"tp"});
+      DeviceMesh mesh(pg, {2}, {"tp"}, {}, test::test_device());
       Placement px = pw.is_shard(0) ? Shard(1) : Replicate();  // contract K when W is row-split
-      Tensor xl = DTensor::distribute(X, mesh, {px}).to_local();
-      Tensor wl = DTensor::distribute(W, mesh, {pw}).to_local();
+      Tensor xl = DTensor::distribute(test::on_test_device(X), mesh, {px}).to_local();
+      Tensor wl = DTensor::distribute(test::on_test_device(W), mesh, {pw}).to_local();
       set_requires_grad(xl);
       set_requires_grad(wl);
       DTensor x = DTensor::make(xl, mesh, {px}, X.shape());
@@ -249,14 +263,16 @@ TEST_CASE("gradients through DTensor ops follow the convention", "[tp][dtensor-o
 TEST_CASE("parallel styles reject what they cannot shard", "[tp]") {
   tandem::testing::RankChecks rc;
   run_ranks(2, [&](ProcessGroupPtr pg) {
-    DeviceMesh mesh(pg, {2}, {"tp"});
+    DeviceMesh mesh(pg, {2}, {"tp"}, {}, test::test_device());
     Generator g(1);
     auto norm = nn::make<nn::LayerNorm>({.dim = 4});
+    norm->to(test::test_device());
     RANK_CHECK_THROWS_WITH(rc, colwise()->apply(*norm, mesh), "expected an nn::Linear");
     auto lin = nn::make<nn::Linear>({.in_features = 4, .out_features = 4}, g);
+    lin->to(test::test_device());
     RANK_CHECK_THROWS_WITH(rc, parallelize_module(lin, mesh, {{"nope", colwise()}}),
                            "no such module");
-    DeviceMesh mesh2(pg, {1, 2}, {"dp", "tp"});
+    DeviceMesh mesh2(pg, {1, 2}, {"dp", "tp"}, {}, test::test_device());
     RANK_CHECK_THROWS_WITH(rc, colwise()->apply(*lin, mesh2), "expected a 1-D mesh");
   });
   rc.report();
@@ -282,12 +298,13 @@ TEST_CASE("tensor parallel with fewer feature chunks than ranks", "[tp][empty]")
 
       tandem::testing::RankChecks rc;
       run_ranks(4, [&](ProcessGroupPtr pg) {
-        DeviceMesh mesh(pg, {4}, {"tp"});
+        DeviceMesh mesh(pg, {4}, {"tp"}, {}, test::test_device());
         Generator g(1);
         auto block = std::make_shared<nn::TransformerBlock>(cfg, g);
+        block->to(test::test_device());
         parallelize_module(block, mesh, megatron_plan());
         if (pg->rank() == 3) RANK_CHECK(rc, block->mlp()->w1()->weight().shape()[0] == 0);
-        Tensor xl = ops::clone(x);
+        Tensor xl = test::on_test_device(x);
         set_requires_grad(xl);
         Tensor y = block->call(Args{xl})[0];
         backward(sum(mul(y, y)));
@@ -319,13 +336,15 @@ TEST_CASE("column- then row-parallel linears with biases and an empty shard", "[
     backward(sum(mul(yr, yr)));
     tandem::testing::RankChecks rc;
     run_ranks(4, [&](ProcessGroupPtr pg) {
-      DeviceMesh mesh(pg, {4}, {"tp"});
+      DeviceMesh mesh(pg, {4}, {"tp"}, {}, test::test_device());
       Generator g(5);
       auto la = nn::make<nn::Linear>({.in_features = 6, .out_features = hidden, .bias = true}, g);
       auto lb = nn::make<nn::Linear>({.in_features = hidden, .out_features = 6, .bias = true}, g);
+      la->to(test::test_device());
+      lb->to(test::test_device());
       colwise()->apply(*la, mesh);
       rowwise()->apply(*lb, mesh);
-      Tensor xl = ops::clone(x);
+      Tensor xl = test::on_test_device(x);
       set_requires_grad(xl);
       Tensor h = (*la)(xl);
       if (pg->rank() == 3) RANK_CHECK(rc, h.shape() == Shape{2, 3, 0});
