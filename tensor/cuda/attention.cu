@@ -23,10 +23,14 @@
 //   accumulates dV += P^T dO and dK += dS^T Q, dS = P (dO V^T - delta) * scale.
 //   A third kernel, one block per (batch, query head, tile of Br query rows),
 //   loops over the visible key tiles: dQ += dS K.
-// - Tile sizes come from D and the dtype: the largest pair of candidate
-//   sizes whose tiles fit in 48 KiB of dynamic shared memory (no static shared
-//   memory is used), e.g. Br = Bc = 32 for f32 at D = 64, 32 x 16 at D = 128,
-//   16 x 8 at D = 256, and 8 x 4 for f64 at D = 256 (tiles_for below).
+// - Tile sizes come from D and the dtype, per kernel: the largest pair of
+//   candidate sizes whose tiles fit in 48 KiB of dynamic shared memory (no
+//   static shared memory is used; tiles_for below). Br x Bc of the forward,
+//   dK/dV and dQ kernels: f32 at D = 64: 32x32, 16x32, 32x32; at D = 128:
+//   32x16, 8x16, 16x16; at D = 256: 16x8, 4x8, 8x8; f64 at D = 256: 8x4,
+//   2x4, 4x4. Single-row tiles fit every D up to 1022 in f64 and 2046 in
+//   f32 (the dK/dV kernel's bound; the forward's is twice that); beyond that
+//   the launcher throws.
 // - Deterministic, no atomics: every output element (and every accumulator
 //   element in shared memory) is owned by one thread of one block, which adds
 //   its terms in a fixed order (key tiles, or query heads then query tiles,

@@ -385,8 +385,8 @@ TEST_CASE("fused kernels on CUDA match the CPU", "[fused][cuda]") {
 }
 
 // Cases for the tiled CUDA kernels (Note [Tiled CUDA attention] in
-// tensor/cuda/attention.cu): sequence lengths that leave ragged last tiles for
-// every tile size the kernels choose (Br, Bc from 64 down to 2), causal
+// tensor/cuda/attention.cu): sequence lengths (70, 133, 170, 100) that leave
+// ragged last tiles for the tile sizes the kernels choose (64 down to 2), causal
 // shards offset both ways (with whole query tiles that see no key and key
 // tiles that no query sees), grouped-query attention with 2 and 4 query heads
 // per kv head, and head dims from 24 to 256 (the smallest tiles, f64 at 256).
