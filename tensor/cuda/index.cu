@@ -2,8 +2,22 @@
 // (tensor/kernels.h). Tensors are contiguous (outer, n, inner) views; one
 // thread per output (or source) element. index_select and gather only move
 // elements, so they are instantiated per element width, not per dtype.
-// scatter_add accumulates with atomics, so its summation order is arbitrary:
-// integer results are exact, float results agree with the CPU to rounding.
+// scatter_add gives each thread one (outer, inner) column, whose k sources it
+// adds in index order, rounding after every addition: the CPU kernel's order
+// and bits, the same on every run (no atomics: Note [Deterministic
+// scatter_add]).
+//
+// Note [Deterministic scatter_add]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// scatter_add is the backward of index_select, gather and the embedding, and
+// of the experts' combine. With atomics its sums came in whatever order the
+// threads ran, so two runs of one training step could differ in the last bits
+// (the dual-pipe schedule against the sequential one, a resumed run against
+// an uninterrupted one). Two sources of one column may land on one output
+// element, and only the column's own thread touches that column's outputs, so
+// a thread per column adds without atomics in a fixed order. The price is
+// parallelism: outer x inner threads, each walking k sources (the embedding's
+// backward: d threads over the batch's tokens).
 //
 // Index values are data. The CPU kernels check them and throw; a CUDA kernel
 // cannot report without a host synchronisation, and an out-of-bounds access
@@ -38,49 +52,27 @@ __global__ void gather_kernel(const U* in, int64_t n, int64_t inner, const I* in
   }
 }
 
-// Atomic out[0] += v with the CPU's rounding for each single addition. CUDA has
-// no atomics on 1- and 2-byte words, so those update their aligned 32-bit word
-// by compare-and-swap (little-endian: the lower address is the low half).
-template <class T>
-__device__ void atomic_add(T* address, T v) {
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double> ||
-                std::is_same_v<T, int32_t>) {
-    atomicAdd(address, v);
-  } else if constexpr (std::is_same_v<T, int64_t>) {
-    // Two's complement addition is the same for signed and unsigned words.
-    atomicAdd(reinterpret_cast<unsigned long long*>(address), static_cast<unsigned long long>(v));
-  } else if constexpr (std::is_same_v<T, bool>) {
-    auto addr = reinterpret_cast<uintptr_t>(address);
-    auto* word = reinterpret_cast<unsigned int*>(addr & ~uintptr_t{3});
-    if (v) atomicOr(word, 1u << ((addr & 3u) * 8u));  // a sum cast to bool is an or
-  } else {                                            // BFloat16, Half
-    auto addr = reinterpret_cast<uintptr_t>(address);
-    auto* word = reinterpret_cast<unsigned int*>(addr & ~uintptr_t{3});
-    unsigned shift = (addr & 2u) ? 16u : 0u;
-    // Read atomically: a plain load would race with other threads' CAS on the
-    // word (a data race, reported by TSan on the emulated device).
-    unsigned old = atomicAdd(word, 0u);
-    unsigned assumed;
-    do {
-      assumed = old;
-      T current;
-      current.bits = static_cast<uint16_t>(assumed >> shift);
-      T sum(static_cast<float>(current) + static_cast<float>(v));
-      unsigned updated =
-          (assumed & ~(0xffffu << shift)) | (static_cast<unsigned>(sum.bits) << shift);
-      old = atomicCAS(word, assumed, updated);
-    } while (old != assumed);
-  }
-}
-
+// One thread per (o, t) column of `columns` = outer * inner; sources j in
+// order (Note [Deterministic scatter_add]).
 template <class T, class I>
 __global__ void scatter_add_kernel(T* out, int64_t n, int64_t inner, const I* index, int64_t k,
-                                   const T* src, int64_t total) {
-  for (int64_t i = detail::grid_start(); i < total; i += detail::grid_step()) {
-    int64_t t = i % inner;
-    int64_t o = i / (inner * k);
-    int64_t dst = static_cast<int64_t>(index[i]);
-    if (dst >= 0 && dst < n) atomic_add(out + (o * n + dst) * inner + t, src[i]);
+                                   const T* src, int64_t columns) {
+  using A = acc_t<T>;
+  for (int64_t c = detail::grid_start(); c < columns; c += detail::grid_step()) {
+    const int64_t t = c % inner;
+    const int64_t o = c / inner;
+    T* out_o = out + o * n * inner + t;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t i = (o * k + j) * inner + t;
+      const int64_t dst = static_cast<int64_t>(index[i]);
+      if (dst < 0 || dst >= n) continue;
+      T& d = out_o[dst * inner];
+      if constexpr (std::is_same_v<T, bool>) {
+        d = d || src[i];
+      } else {
+        d = static_cast<T>(static_cast<A>(d) + static_cast<A>(src[i]));
+      }
+    }
   }
 }
 
@@ -131,16 +123,16 @@ void gather(const TensorArg& in, int64_t outer, int64_t n, int64_t inner, const 
 
 void scatter_add(const TensorArg& out, int64_t outer, int64_t n, int64_t inner,
                  const TensorArg& index, int64_t k, const TensorArg& src, void* stream) {
-  int64_t total = outer * k * inner;
-  if (total == 0) return;
+  const int64_t columns = outer * inner;
+  if (columns == 0 || k == 0) return;
   detail::StreamDeviceGuard guard(stream);
   detail::dispatch_index(index.dtype, "scatter_add", [&](auto index_tag) {
     using I = typename decltype(index_tag)::type;
     dispatch_dtype(out.dtype, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      detail::launch(scatter_add_kernel<T, I>, detail::blocks_for(total), detail::kThreads, 0,
+      detail::launch(scatter_add_kernel<T, I>, detail::blocks_for(columns), detail::kThreads, 0,
                      stream, static_cast<T*>(out.data), n, inner, static_cast<const I*>(index.data),
-                     k, static_cast<const T*>(src.data), total);
+                     k, static_cast<const T*>(src.data), columns);
     });
   });
 }

@@ -42,17 +42,6 @@ std::pair<Tensor, Tensor> batch(int rank, int i, int64_t seq) {
           test::on_test_device(ops::contiguous(ops::narrow(t, 1, 1, seq)))};
 }
 
-// The gradients of two schedules (or two runs) on the test device. The
-// forward only gathers, so losses stay bit-identical on every device; but
-// CUDA's scatter_add (the backward of the embedding and of the experts'
-// combine) adds with atomics in no fixed order (tensor/cuda/index.cu), so
-// there two runs of one schedule may differ in the last bits as well.
-bool same_gradient(const Tensor& a, const Tensor& b) {
-  // Undefined (a parameter no token reached) only matches undefined.
-  if (test::test_device().is_cpu() || !a.defined() || !b.defined()) return ops::equal(a, b);
-  return a.shape() == b.shape() && ops::allclose(test::on_cpu(a), test::on_cpu(b), 1e-6, 1e-9);
-}
-
 struct Run {
   std::vector<double> losses;
   std::vector<Tensor> grads;
@@ -129,7 +118,7 @@ TEST_CASE("overlapped schedule is bit-identical to the sequential one", "[dualpi
         }
         RANK_CHECK(rc, seq.grads.size() == ovl.grads.size());
         for (size_t i = 0; i < seq.grads.size(); ++i) {
-          RANK_CHECK(rc, seq.grads[i].defined() && same_gradient(seq.grads[i], ovl.grads[i]));
+          RANK_CHECK(rc, seq.grads[i].defined() && ops::equal(seq.grads[i], ovl.grads[i]));
         }
         ledgers[pg->rank()] = ovl.ledger;
       });
@@ -181,7 +170,7 @@ TEST_CASE("pairs of micro-batches with unequal MoE layer counts", "[dualpipe]") 
     }
     RANK_CHECK(rc, losses[0] == losses[1]);
     for (size_t i = 0; i < grads[0].size(); ++i)
-      RANK_CHECK(rc, same_gradient(grads[0][i], grads[1][i]));
+      RANK_CHECK(rc, ops::equal(grads[0][i], grads[1][i]));
   });
   rc.report();
   CHECK(ledgers[0] == ledgers[1]);
@@ -197,7 +186,7 @@ TEST_CASE("recompute under the dual-pipe schedule is bit-identical too", "[dualp
     }
     for (size_t i = 0; i < plain.grads.size(); ++i) {
       RANK_CHECK(rc, recomputed.grads[i].defined() == plain.grads[i].defined());
-      RANK_CHECK(rc, same_gradient(plain.grads[i], recomputed.grads[i]));
+      RANK_CHECK(rc, ops::equal(plain.grads[i], recomputed.grads[i]));
     }
   });
   rc.report();

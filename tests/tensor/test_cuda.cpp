@@ -431,14 +431,19 @@ TEST_CASE("CUDA indexing ops match the CPU exactly", "[cuda]") {
     if (dt == DType::Bool) continue;
     Tensor weight = random_tensor({10, 4}, dt, 24, -9.0, 9.0);
     check_same(ops::embedding(weight, tokens), ops::embedding(gpu(weight), gpu(tokens)));
-    // Integer-valued sources: every summation order gives the same sums, so
-    // even 16-bit results compare exactly despite the atomics' arbitrary order.
-    Tensor src_rows = ops::to(random_tensor({3, 6}, DType::I32, 25, -8.0, 8.0), dt);
-    Tensor src_cols = ops::to(random_tensor({6, 8}, DType::I32, 26, -8.0, 8.0), dt);
+    // Fractional sources: the same bits only when every output adds its
+    // sources in the CPU's order, rounding after each addition (Note
+    // [Deterministic scatter_add]). 96 sources over 6 rows: many repeats.
+    Tensor src_rows = random_tensor({3, 6}, dt, 25, -8.0, 8.0);
+    Tensor src_cols = random_tensor({6, 8}, dt, 26, -8.0, 8.0);
+    Tensor idx_many = random_tensor({96, 6}, DType::I64, 27, 0.0, 5.0);
+    Tensor src_many = random_tensor({96, 6}, dt, 28, -8.0, 8.0);
     check_same(ops::scatter_add(t, 0, idx_rows, src_rows),
                ops::scatter_add(gt, 0, gpu(idx_rows), gpu(src_rows)));
     check_same(ops::scatter_add(t, 1, idx_cols, src_cols),
                ops::scatter_add(gt, 1, gpu(idx_cols), gpu(src_cols)));
+    check_same(ops::scatter_add(t, 0, idx_many, src_many),
+               ops::scatter_add(gt, 0, gpu(idx_many), gpu(src_many)));
   }
   Tensor classes = tensor_of({0, 6, 2, 2, 5}, {5}, DType::I64);
   check_same(ops::one_hot(classes, 7), ops::one_hot(gpu(classes), 7));
