@@ -490,3 +490,17 @@ TEST_CASE("tiled CUDA attention matches the CPU", "[fused][cuda]") {
     }
   }
 }
+
+TEST_CASE("tiled CUDA attention names a head dim too large for its tiles", "[fused][cuda]") {
+  if (!cuda_available()) {
+    WARN("SKIP: no CUDA device");
+    std::cout << "SKIP: no CUDA device" << std::endl;  // counted as skipped by the CI summary
+    return;
+  }
+  // Even single-row tiles of an f64 head dim of 4096 pass 48 KiB of shared
+  // memory (Note [Tiled CUDA attention]): a clear error, not a bad launch.
+  Tensor q = ops::zeros({1, 1, 2, 4096}, F64, Device::cuda(0));
+  REQUIRE_THROWS_WITH(ops::scaled_dot_product_attention(q, q, q),
+                      Catch::Matchers::Contains("expected a head dim whose single-row tiles fit") &&
+                          Catch::Matchers::Contains("D=4096"));
+}
