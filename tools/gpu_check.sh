@@ -14,9 +14,11 @@
 #      and nccl (one rank) when MPI and NCCL were found;
 #   4. compute-sanitizer memcheck and racecheck over the tensor suite's CUDA
 #      cases;
-#   5. tandem-bench tensor's GPU rows (matmul against cuBLAS, f32 and bf16).
-#      autograd, cp and overlap have no GPU mode yet: summary.json lists them
-#      as not run, with that reason.
+#   5. tandem-bench tensor's GPU rows (matmul against cuBLAS, f32 and bf16) and
+#      tandem-bench autograd --device cuda (the block step against PyTorch on
+#      the GPU, where the machine's python3 or TANDEM_BENCH_PYTHON has a CUDA
+#      PyTorch; else that row is skipped). cp and overlap have no GPU mode yet:
+#      summary.json lists them as not run, with that reason.
 # Writes build-gpu-logs/summary.json (every step: status, seconds, note; every
 # benchmark's JSON) and, when $OUT is set (the device tool), copies it and a
 # tarball of the logs there. Exits non-zero when a step failed, when a CUDA
@@ -167,6 +169,10 @@ bench_gpu_matmul() {
   "$build/tools/tandem-bench" tensor --quick --json --filter gpu-matmul >"$logs/bench-tensor.json"
 }
 
+bench_gpu_autograd() {
+  "$build/tools/tandem-bench" autograd --quick --json --device cuda >"$logs/bench-autograd.json"
+}
+
 summary() {
   python3 - "$logs" "$budget" "$((SECONDS - start))" <<'EOF'
 import json, os, subprocess, sys
@@ -247,7 +253,8 @@ if ((${#failed[@]} == 0)) && step configure configure && step build ninja -C "$b
     record racecheck "not run" 0 "compute-sanitizer not found"
   fi
   step_cap=120 step bench-tensor bench_gpu_matmul
-  for b in autograd cp overlap; do
+  step_cap=120 step bench-autograd bench_gpu_autograd
+  for b in cp overlap; do
     record "bench-$b" "not run" 0 "tandem-bench $b has no GPU mode yet"
   done
 fi

@@ -101,6 +101,11 @@ nlohmann::ordered_json row_json(const Row& row) {
     j["error"] = row.error;
     return j;
   }
+  if (!row.skipped.empty()) {
+    j["status"] = "skipped";
+    j["reason"] = row.skipped;
+    return j;
+  }
   const Timing& t = row.timing.tandem;
   const Timing& b = row.timing.baseline;
   j["status"] = row.passed() ? "pass" : "fail";
@@ -243,14 +248,14 @@ void Report::add(Row row) {
     }
     std::string threads = row.threads > 0 ? std::to_string(row.threads) : "-";
     std::string target = fmt::format(">={:.2f}", row.target);
-    if (row.error.empty()) {
+    if (row.error.empty() && row.skipped.empty()) {
       fmt::print(kTableFormat, row.group, row.name, row.device, threads,
                  format_speed(row, row.timing.tandem.median_s),
                  format_speed(row, row.timing.baseline.median_s),
                  fmt::format("{:.2f}", row.ratio()), target, row.passed() ? "PASS" : "FAIL");
     } else {
       fmt::print(kTableFormat, row.group, row.name, row.device, threads, "-", "-", "-", target,
-                 "ERROR: " + row.error);
+                 row.error.empty() ? "SKIPPED: " + row.skipped : "ERROR: " + row.error);
     }
     std::fflush(stdout);
   }
@@ -264,10 +269,12 @@ void Report::set(const std::string& key, nlohmann::ordered_json value, const std
 }
 
 int Report::finish() {
-  int passed = 0, failed = 0, errors = 0;
+  int passed = 0, failed = 0, errors = 0, skipped = 0;
   for (const Row& row : rows_) {
     if (!row.error.empty()) {
       ++errors;
+    } else if (!row.skipped.empty()) {
+      ++skipped;
     } else if (row.passed()) {
       ++passed;
     } else {
@@ -276,13 +283,16 @@ int Report::finish() {
   }
   json_["summary"] = {
       {"rows", rows_.size()}, {"passed", passed}, {"failed", failed}, {"errors", errors}};
+  // Only where some row was skipped, so that the reports of benchmarks that
+  // never skip keep their shape.
+  if (skipped > 0) json_["summary"]["skipped"] = skipped;
   if (options_.collect != nullptr) {
     *options_.collect = json_;
   } else if (options_.json) {
     fmt::print("{}\n", json_.dump(2));
   } else {
-    fmt::print("\n{} rows: {} passed, {} below target, {} errors\n", rows_.size(), passed, failed,
-               errors);
+    fmt::print("\n{} rows: {} passed, {} below target, {} errors{}\n", rows_.size(), passed, failed,
+               errors, skipped > 0 ? fmt::format(", {} skipped", skipped) : "");
   }
   return errors == 0 ? 0 : 1;
 }

@@ -37,6 +37,8 @@ struct Options {
   // where to write the Chrome trace of one overlapped step (empty: nowhere).
   int ranks = 0, micro_batches = 0;
   std::string trace;
+  // `autograd` only: "cpu" (the default) or "cuda", the GPU mode.
+  std::string device = "cpu";
   // `all`: when set, Report::finish() stores its JSON object here and
   // nothing is printed (the table is off too). Not owned: run_all's.
   nlohmann::ordered_json* collect = nullptr;
@@ -102,10 +104,13 @@ struct Row {
   double target = 0;     // the row passes when ratio() >= target
   PairTiming timing;
   std::string error;  // set when the row could not be measured
+  // Set, with the reason, when the row was not measured for a reason that is
+  // no failure (a baseline without a GPU): neither passed nor an error.
+  std::string skipped;
 
   // baseline time / tandem time (PairTiming::ratio): > 1 means tandem is faster.
-  double ratio() const { return error.empty() ? timing.ratio : 0; }
-  bool passed() const { return error.empty() && ratio() >= target; }
+  double ratio() const { return error.empty() && skipped.empty() ? timing.ratio : 0; }
+  bool passed() const { return error.empty() && skipped.empty() && ratio() >= target; }
 };
 
 // Collects rows; in table mode prints each as it arrives, so a long run shows
@@ -123,8 +128,8 @@ class Report {
   // A top-level JSON field (e.g. "memory"); `text` is what the table shows.
   void set(const std::string& key, nlohmann::ordered_json value, const std::string& text);
 
-  // Exit status: 0 when every row ran (missed targets included), 1 when a row
-  // failed with an error.
+  // Exit status: 0 when every row ran or was skipped (missed targets
+  // included), 1 when a row failed with an error.
   int finish();
 
  private:
@@ -147,7 +152,8 @@ class Report {
 //   4/5), which would flatter tandem.
 // - PyTorch, on an AVX2 build of a machine with AVX-512, through
 //   ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS (Note
-//   [Autograd baselines] in bench_autograd.cpp), as on an AVX2-only machine.
+//   [Autograd baselines] in bench_autograd_baselines.cpp), as on an AVX2-only
+//   machine.
 // A user's own OPENBLAS_CORETYPE is kept; the reports name the kernels used.
 // Whether this build's kernels target less than this CPU runs.
 bool kernels_below_machine();
@@ -161,10 +167,12 @@ void hold_blas_to_kernel_isa(char** argv);
 // Sub-benchmarks. Each returns the process exit status.
 int run_tensor(const Options& options);
 int run_autograd(const Options& options);  // bench_autograd.cpp
-int run_comm(const Options& options);      // bench_comm.cpp
-int run_dtensor(const Options& options);   // bench_dtensor.cpp
-int run_cp(const Options& options);        // bench_cp.cpp
-int run_overlap(const Options& options);   // bench_overlap.cpp
+// `autograd --device cuda` (run_autograd dispatches to it).
+int run_autograd_cuda(const Options& options);  // bench_autograd_cuda.cpp
+int run_comm(const Options& options);           // bench_comm.cpp
+int run_dtensor(const Options& options);        // bench_dtensor.cpp
+int run_cp(const Options& options);             // bench_cp.cpp
+int run_overlap(const Options& options);        // bench_overlap.cpp
 // Every sub-benchmark's --quick run in this process, as one JSON document
 // written to `json_path` (stdout when empty); progress on stderr.
 int run_all(const std::string& json_path);  // bench_all.cpp

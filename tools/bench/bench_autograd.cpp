@@ -15,10 +15,14 @@
 // process with tandem's. Tandem and the baselines take turns over several
 // rounds (Note [LibTorch rounds]). All sides start from bit-identical weights
 // (Note [Autograd benchmark workload]), and their losses and gradients are
-// compared before any ratio is reported.
+// compared before any ratio is reported (Note [Autograd baselines] in
+// bench_autograd_baselines.cpp says how they are found and run).
+//
+// --device cuda (default cpu) is the GPU mode (bench_autograd_cuda.cpp, Note
+// [Autograd on a GPU]): the block step only, tandem on cuda:0 against PyTorch
+// on its GPU, one row; the overhead rows stay CPU-only. It has not yet run on
+// a real GPU, only on the emulated device (TANDEM_CUDA=emulated).
 #include <fmt/format.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -40,23 +44,22 @@
 #include "runtime/device.h"
 #include "runtime/stream.h"
 #include "tools/bench/bench.h"
+#include "tools/bench/bench_autograd_baselines.h"
 #include "tools/bench/bench_autograd_workload.h"
 
 namespace tandem::bench {
 namespace {
 
 using namespace autograd_workload;
+using namespace autograd_baselines;
 using Json = nlohmann::ordered_json;
 
 // Targets, as baseline/tandem ratios (Row::target): per-op overhead at most
 // 0.25x a baseline's; a block step at most 0.8x a baseline's best thread
-// setting.
+// setting (kBlockTargetMax, bench_autograd_workload.h; also the GPU mode's).
 constexpr double kOverheadTargetMax = 0.25;
-constexpr double kBlockTargetMax = 0.8;
 // Tandem's 2-thread block step at most this fraction of its 1-thread step.
 constexpr double kScalingTargetMax = 0.6;
-constexpr const char* kLibTorchProgram = "tandem-libtorch-autograd";
-constexpr const char* kPyTorchScript = "pytorch_autograd.py";
 
 // Note [LibTorch rounds]
 // ~~~~~~~~~~~~~~~~~~~~~~
@@ -94,20 +97,6 @@ struct TandemRound {
   std::map<int, StepTimes> block;  // by threads
 };
 
-std::string shell_quote(const std::string& s) {
-  std::string q = "'";
-  for (char ch : s)
-    q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
-  return q + "'";
-}
-
-std::vector<float> json_floats(const Json& j) {
-  std::vector<float> v;
-  for (const auto& x : j)
-    v.push_back(x.get<float>());
-  return v;
-}
-
 // Seconds of one baseline measurement in one round, e.g. ("chain", 0) or
 // ("block", 2); `field` is "median_ms" (wall) or "cpu_median_ms".
 double baseline_seconds(const Json& run, const std::string& what, int threads,
@@ -117,15 +106,6 @@ double baseline_seconds(const Json& run, const std::string& what, int threads,
     if (b.at("threads").get<int>() == threads) return b.at(field).get<double>() * 1e-3;
   }
   TANDEM_FAIL("[bench::autograd] expected baseline block times at {} threads, got none", threads);
-}
-
-Timing timing_over_rounds(const std::vector<double>& per_round, int reps) {
-  Timing t;
-  t.median_s = median_of(per_round);
-  t.min_s = *std::min_element(per_round.begin(), per_round.end());
-  t.reps = reps;
-  t.trials = static_cast<int>(per_round.size());
-  return t;
 }
 
 // A baseline setting (wait policy, threads) with its per-round times.
@@ -236,119 +216,6 @@ Json measure_block_memory(BlockWorkload& block, std::string& text) {
 }
 
 // ---- the baselines ----
-
-// Note [Autograd baselines]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~
-// Two programs can stand beside tandem, each in its own process, each
-// printing one JSON object of the same shape:
-// - LibTorch 1.13 (tools/bench/libtorch_autograd.cpp, built when Debian's
-//   libtorch-dev is installed; it multiplies on OpenBLAS);
-// - PyTorch 2.x (tools/bench/pytorch_autograd.py, run by TANDEM_BENCH_PYTHON
-//   or else python3, when it imports torch >= 2; MKL and oneDNN, fused
-//   scaled_dot_product_attention). Found next to tandem-bench, where Meson
-//   copies it.
-// The baselines run the instructions tandem's kernels were built for (Note
-// [Baselines on the kernels' instructions] in bench.h); the JSON's
-// "baseline_env" says how.
-struct Baseline {
-  std::string key;      // "libtorch", "pytorch"
-  std::string name;     // "LibTorch 1.13", "PyTorch 2.x"
-  std::string command;  // shell words that run it
-  std::string env;      // NAME=value words for every run
-};
-
-std::filesystem::path self_directory(std::string& why) {
-  std::error_code ec;
-  std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) {
-    why = fmt::format("cannot read /proc/self/exe ({})", ec.message());
-    return {};
-  }
-  return self.parent_path();
-}
-
-// Runs `command` through the shell; its stdout, or a failure naming the
-// command and its exit status.
-std::string run_command(const std::string& command) {
-  std::fflush(stdout);
-  FILE* pipe = popen(command.c_str(), "r");
-  TANDEM_CHECK(pipe != nullptr, "[bench::autograd] expected to start `{}`, got popen failing",
-               command);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0)
-    out.append(buf, n);
-  int status = pclose(pipe);
-  TANDEM_CHECK(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
-               "[bench::autograd] expected `{}` to exit with status 0, got {} (its stderr is "
-               "above)",
-               command,
-               status == -1        ? std::string("pclose failing")
-               : WIFEXITED(status) ? fmt::format("status {}", WEXITSTATUS(status))
-                                   : fmt::format("signal {}", WTERMSIG(status)));
-  return out;
-}
-
-// The LibTorch program next to this executable, or nothing with `why` set.
-std::optional<Baseline> find_libtorch(std::string& why) {
-  std::filesystem::path dir = self_directory(why);
-  if (dir.empty()) return std::nullopt;
-  std::filesystem::path path = dir / kLibTorchProgram;
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) {
-    why = fmt::format(
-        "{} not found next to tandem-bench (it is built only when libtorch-dev is installed; "
-        "install it and re-run `meson setup --reconfigure`)",
-        path.string());
-    return std::nullopt;
-  }
-  if (access(path.c_str(), X_OK) != 0) {
-    why = fmt::format("{} is not executable", path.string());
-    return std::nullopt;
-  }
-  // OPENBLAS_CORETYPE is inherited (Note [Baselines on the kernels' instructions]).
-  const char* core = std::getenv("OPENBLAS_CORETYPE");
-  return Baseline{"libtorch", "LibTorch 1.13", shell_quote(path.string()),
-                  core != nullptr ? fmt::format("OPENBLAS_CORETYPE={}", core) : ""};
-}
-
-// PyTorch 2.x through pytorch_autograd.py, or nothing with `why` set.
-std::optional<Baseline> find_pytorch(std::string& why) {
-  std::filesystem::path dir = self_directory(why);
-  if (dir.empty()) return std::nullopt;
-  std::filesystem::path script = dir / kPyTorchScript;
-  std::error_code ec;
-  if (!std::filesystem::exists(script, ec)) {
-    why = fmt::format("{} not found next to tandem-bench", script.string());
-    return std::nullopt;
-  }
-  const char* env_python = std::getenv("TANDEM_BENCH_PYTHON");
-  const std::string python = env_python != nullptr && *env_python ? env_python : "python3";
-  std::string version;
-  try {
-    version = run_command(fmt::format("{} -c 'import torch; print(torch.__version__)' 2>/dev/null",
-                                      shell_quote(python)));
-  } catch (const std::exception&) {
-    why = fmt::format(
-        "{} cannot import torch (pip install torch, or point TANDEM_BENCH_PYTHON at a Python "
-        "that has PyTorch 2.x)",
-        python);
-    return std::nullopt;
-  }
-  while (!version.empty() && std::isspace(static_cast<unsigned char>(version.back())))
-    version.pop_back();
-  if (version.empty() || version[0] < '2' || version[0] > '9' || version[1] != '.') {
-    why = fmt::format("{} has torch {}, expected 2.x", python, version);
-    return std::nullopt;
-  }
-  Baseline b{"pytorch", "PyTorch " + version.substr(0, version.find('+')),
-             shell_quote(python) + " " + shell_quote(script.string()), ""};
-  if (kernels_below_machine()) {
-    b.env = "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2";
-  }
-  return b;
-}
 
 // `policy`: the wait policy's env words (kPolicyEnv).
 Json run_baseline(const Baseline& b, const std::string& policy, const CompareConfig& config) {
@@ -739,6 +606,7 @@ void bench_against_baselines(Report& report, const Options& options, Json tandem
 }  // namespace
 
 int run_autograd(const Options& options) {
+  if (options.device == "cuda") return run_autograd_cuda(options);
   TimingConfig config = timing_config(options);
   Report report("autograd", options, config);
   const CompareConfig compare = compare_config(options);

@@ -26,8 +26,10 @@ std::vector<float> workload_values(uint64_t salt, int64_t n, float scale, float 
   return v;
 }
 
-Tensor workload_tensor(uint64_t salt, const Shape& shape, float scale, float offset = 0.0f) {
-  return ops::from_vector<float>(workload_values(salt, shape.numel(), scale, offset), shape);
+Tensor workload_tensor(uint64_t salt, const Shape& shape, float scale, float offset = 0.0f,
+                       Device device = Device::cpu()) {
+  Tensor t = ops::from_vector<float>(workload_values(salt, shape.numel(), scale, offset), shape);
+  return device.is_cpu() ? t : ops::to(t, device);
 }
 
 Tensor leaf(Tensor t) {
@@ -82,6 +84,10 @@ void synchronize_cpu() {
   current_stream(Device::cpu()).synchronize();
 }
 
+void synchronize(Device device) {
+  current_stream(device).synchronize();
+}
+
 // ---- the op chain ----
 
 ChainWorkload::ChainWorkload()
@@ -115,16 +121,16 @@ Tensor ChainWorkload::raw_forward() const {
 
 // ---- the transformer block ----
 
-BlockParams::BlockParams()
-    : ln1_w(leaf(workload_tensor(1, {kModel}, 0.125f, 1.0f))),
-      ln1_b(leaf(workload_tensor(2, {kModel}, 0.125f))),
-      w_qkv(leaf(workload_tensor(3, {3 * kModel, kModel}, 1.0f / 16))),
-      w_o(leaf(workload_tensor(4, {kModel, kModel}, 1.0f / 16))),
-      ln2_w(leaf(workload_tensor(5, {kModel}, 0.125f, 1.0f))),
-      ln2_b(leaf(workload_tensor(6, {kModel}, 0.125f))),
-      w_gate(leaf(workload_tensor(7, {kHidden, kModel}, 1.0f / 16))),
-      w_up(leaf(workload_tensor(8, {kHidden, kModel}, 1.0f / 16))),
-      w_down(leaf(workload_tensor(9, {kModel, kHidden}, 1.0f / 32))) {}
+BlockParams::BlockParams(Device device)
+    : ln1_w(leaf(workload_tensor(1, {kModel}, 0.125f, 1.0f, device))),
+      ln1_b(leaf(workload_tensor(2, {kModel}, 0.125f, 0.0f, device))),
+      w_qkv(leaf(workload_tensor(3, {3 * kModel, kModel}, 1.0f / 16, 0.0f, device))),
+      w_o(leaf(workload_tensor(4, {kModel, kModel}, 1.0f / 16, 0.0f, device))),
+      ln2_w(leaf(workload_tensor(5, {kModel}, 0.125f, 1.0f, device))),
+      ln2_b(leaf(workload_tensor(6, {kModel}, 0.125f, 0.0f, device))),
+      w_gate(leaf(workload_tensor(7, {kHidden, kModel}, 1.0f / 16, 0.0f, device))),
+      w_up(leaf(workload_tensor(8, {kHidden, kModel}, 1.0f / 16, 0.0f, device))),
+      w_down(leaf(workload_tensor(9, {kModel, kHidden}, 1.0f / 32, 0.0f, device))) {}
 
 std::vector<Tensor*> BlockParams::all() {
   return {&ln1_w, &ln1_b, &w_qkv, &w_o, &ln2_w, &ln2_b, &w_gate, &w_up, &w_down};
@@ -152,15 +158,18 @@ Tensor block_loss(const BlockParams& p, const Tensor& x) {
 
 }  // namespace
 
-BlockWorkload::BlockWorkload() : x(workload_tensor(10, {kBatch, kSeq, kModel}, 1.0f)) {}
+BlockWorkload::BlockWorkload(Device device)
+    : device(device),
+      p(device),
+      x(workload_tensor(10, {kBatch, kSeq, kModel}, 1.0f, 0.0f, device)) {}
 
 void BlockWorkload::step(double& forward_s, double& backward_s) {
   auto t0 = Clock::now();
   Tensor loss = block_loss(p, x);
-  synchronize_cpu();
+  synchronize(device);
   auto t1 = Clock::now();
   backward(loss);
-  synchronize_cpu();
+  synchronize(device);
   auto t2 = Clock::now();
   for (Tensor* t : p.all())
     zero_grad(*t);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "autograd/ops.h"
+#include "runtime/device.h"
 
 namespace tandem::bench::autograd_workload {
 
@@ -25,12 +26,17 @@ namespace tandem::bench::autograd_workload {
 inline constexpr int kChainOps = 1000;  // mul by 0.9, add a (4) tensor, tanh, repeated
 inline constexpr int64_t kChainNumel = 4;
 inline constexpr int64_t kBatch = 4, kSeq = 256, kModel = 256, kHeads = 4, kHidden = 1024;
+// A block step's target, on the CPU and on a GPU: at most this fraction of the
+// baseline's step time (Row::target = 1 / kBlockTargetMax).
+inline constexpr double kBlockTargetMax = 0.8;
 
 using Clock = std::chrono::steady_clock;
 
 double seconds(Clock::time_point a, Clock::time_point b);
 double median_of(std::vector<double> v);
 void synchronize_cpu();
+// Synchronises the calling thread's current stream of `device`.
+void synchronize(Device device);
 
 // kChainOps ops (mul by 0.9, add c, tanh, repeated) on the (4) f32 leaf x,
 // then sum.
@@ -47,8 +53,10 @@ struct ChainWorkload {
   Tensor raw_forward() const;
 };
 
+// The block's weights and input are made on the CPU and then copied to
+// `device`, so they hold the same bits on every device.
 struct BlockParams {
-  BlockParams();
+  explicit BlockParams(Device device = Device::cpu());
   Tensor ln1_w, ln1_b, w_qkv, w_o, ln2_w, ln2_b, w_gate, w_up, w_down;
 
   // In the order of LibTorch's "check" array.
@@ -56,10 +64,13 @@ struct BlockParams {
 };
 
 struct BlockWorkload {
-  BlockWorkload();
+  explicit BlockWorkload(Device device = Device::cpu());
+  Device device;
   BlockParams p;
   Tensor x;
 
+  // Each phase ends by synchronising `device`'s current stream, so that the
+  // times count the kernels, not their launches.
   void step(double& forward_s, double& backward_s);
   // (loss, L2 norm of each parameter's gradient): compared with LibTorch's.
   std::vector<float> check();

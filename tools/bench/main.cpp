@@ -26,6 +26,11 @@ int main(int argc, char** argv) {
 
   CLI::App* autograd = app.add_subcommand(
       "autograd", "per-op autograd overhead and a transformer block step, against LibTorch");
+  autograd
+      ->add_option("--device", options.device,
+                   "cpu (default) or cuda: the block step on cuda:0 against PyTorch on its GPU "
+                   "(the overhead rows stay CPU-only)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   CLI::App* comm = app.add_subcommand(
       "comm", "collective bandwidth against direct MPI calls and a shared-memory reference");
   CLI::App* dtensor = app.add_subcommand(

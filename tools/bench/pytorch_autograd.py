@@ -9,9 +9,16 @@ shape. Attention is F.scaled_dot_product_attention(is_causal=True), PyTorch's
 fused CPU attention. tandem-bench runs it in its own process (with and without
 OMP_WAIT_POLICY=passive), found through TANDEM_BENCH_PYTHON or python3 on PATH.
 
+With --device cuda (tandem-bench autograd --device cuda; Note [Autograd on a
+GPU] in bench_autograd_cuda.cpp) it measures the block step only, once, on its
+GPU, synchronising with torch.cuda.synchronize() at the end of each phase, and
+fails when PyTorch has no CUDA. For f32 inputs scaled_dot_product_attention
+runs the memory-efficient kernel there (flash attention takes f16/bf16 only).
+
 A comparison tool only, never a dependency of tandem or of its tests.
 
   pytorch_autograd.py [--chain-trials N] [--block-trials N] [--min-trial-ms X]
+                      [--device cpu|cuda]
 """
 import argparse
 import json
@@ -90,17 +97,23 @@ class Chain:
 
 
 class Block:
-    def __init__(self):
-        self.ln1_w = leaf(workload_tensor(1, [MODEL], 0.125, 1.0))
-        self.ln1_b = leaf(workload_tensor(2, [MODEL], 0.125))
-        self.w_qkv = leaf(workload_tensor(3, [3 * MODEL, MODEL], 1.0 / 16))
-        self.w_o = leaf(workload_tensor(4, [MODEL, MODEL], 1.0 / 16))
-        self.ln2_w = leaf(workload_tensor(5, [MODEL], 0.125, 1.0))
-        self.ln2_b = leaf(workload_tensor(6, [MODEL], 0.125))
-        self.w_gate = leaf(workload_tensor(7, [HIDDEN, MODEL], 1.0 / 16))
-        self.w_up = leaf(workload_tensor(8, [HIDDEN, MODEL], 1.0 / 16))
-        self.w_down = leaf(workload_tensor(9, [MODEL, HIDDEN], 1.0 / 32))
-        self.x = workload_tensor(10, [BATCH, SEQ, MODEL], 1.0)
+    def __init__(self, device="cpu"):
+        # Made on the CPU, then copied: the same bits on every device.
+        def make(salt, shape, scale, offset=0.0):
+            return workload_tensor(salt, shape, scale, offset).to(device)
+
+        self.ln1_w = leaf(make(1, [MODEL], 0.125, 1.0))
+        self.ln1_b = leaf(make(2, [MODEL], 0.125))
+        self.w_qkv = leaf(make(3, [3 * MODEL, MODEL], 1.0 / 16))
+        self.w_o = leaf(make(4, [MODEL, MODEL], 1.0 / 16))
+        self.ln2_w = leaf(make(5, [MODEL], 0.125, 1.0))
+        self.ln2_b = leaf(make(6, [MODEL], 0.125))
+        self.w_gate = leaf(make(7, [HIDDEN, MODEL], 1.0 / 16))
+        self.w_up = leaf(make(8, [HIDDEN, MODEL], 1.0 / 16))
+        self.w_down = leaf(make(9, [MODEL, HIDDEN], 1.0 / 32))
+        self.x = make(10, [BATCH, SEQ, MODEL], 1.0)
+        # Each phase ends when the device has finished it.
+        self.synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def params(self):
         return [self.ln1_w, self.ln1_b, self.w_qkv, self.w_o, self.ln2_w, self.ln2_b,
@@ -124,8 +137,10 @@ class Block:
     def step(self, times):
         t0 = time.perf_counter()
         loss = self.loss()
+        self.synchronize()
         t1 = time.perf_counter()
         loss.backward()
+        self.synchronize()
         t2 = time.perf_counter()
         for p in self.params():
             p.grad = None
@@ -188,6 +203,7 @@ def main():
     parser.add_argument("--chain-trials", type=int, default=11)
     parser.add_argument("--block-trials", type=int, default=7)
     parser.add_argument("--min-trial-ms", type=float, default=20.0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     if args.chain_trials < 1 or args.block_trials < 1 or not args.min_trial_ms > 0:
         parser.error("expected positive trial counts and --min-trial-ms")
@@ -195,6 +211,8 @@ def main():
     if major < 2:
         print(f"pytorch_autograd.py: expected PyTorch 2.x, got {torch.__version__}", file=sys.stderr)
         return 1
+    if args.device == "cuda":
+        return main_cuda(args)
 
     out = {
         "program": "pytorch_autograd.py",
@@ -222,6 +240,41 @@ def main():
         "threads": threads,
     }
     out["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    print(json.dumps(out))
+    return 0
+
+
+def main_cuda(args):
+    """The block step on the GPU, once (no thread settings): --device cuda."""
+    if not torch.cuda.is_available():
+        print(f"pytorch_autograd.py: expected CUDA, got torch {torch.__version__} with "
+              "torch.cuda.is_available() False", file=sys.stderr)
+        return 1
+    # f32 as tandem's cuBLAS calls (no TF32; tensor/cuda/gemm.cu).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    sdp = torch.backends.cuda
+    out = {
+        "program": "pytorch_autograd.py",
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "attention": "F.scaled_dot_product_attention(is_causal=True); enabled backends: "
+                     f"flash {sdp.flash_sdp_enabled()} (f16/bf16 only), "
+                     f"memory-efficient {sdp.mem_efficient_sdp_enabled()}, "
+                     f"math {sdp.math_sdp_enabled()}",
+        "allow_tf32": False,
+    }
+    block = Block("cuda")
+    out["check"] = {"block": block.check()}
+    torch.cuda.reset_peak_memory_stats()
+    step = measure(block.step, args.block_trials, args.min_trial_ms * 1e-3)
+    out["block"] = {
+        "shape": {"B": BATCH, "S": SEQ, "d": MODEL, "heads": HEADS, "hidden": HIDDEN},
+        "device": "cuda:0",
+        "gpu": torch.cuda.get_device_name(0),
+        "step": step,
+    }
+    out["max_memory_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     print(json.dumps(out))
     return 0
 
