@@ -15,6 +15,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -340,9 +341,24 @@ void report_memory(Report& report) {
 int run_tensor(const Options& options) {
   TimingConfig config = timing_config(options);
   Report report("tensor", options, config);
-  report.set("openblas", {{"config", openblas_get_config()}, {"core", openblas_get_corename()}},
-             fmt::format("baseline BLAS: {} (kernels: {}); tandem's CPU kernels: {}",
-                         openblas_get_config(), openblas_get_corename(), ops::cpu_vector_isa()));
+  // A core type set in the environment wins over hold_blas_to_kernel_isa's
+  // (Note [Baselines on the kernels' instructions]): say when the two differ.
+  const char* wanted = openblas_core_for_kernels();
+  const std::string core = openblas_get_corename();
+  const bool like_for_like =
+      wanted == nullptr ||
+      std::equal(core.begin(), core.end(), wanted, wanted + std::strlen(wanted),
+                 [](char a, char b) { return std::tolower(a) == std::tolower(b); });
+  report.set(
+      "openblas",
+      {{"config", openblas_get_config()}, {"core", core}, {"core_matches_kernels", like_for_like}},
+      fmt::format("baseline BLAS: {} (kernels: {}); tandem's CPU kernels: {}{}",
+                  openblas_get_config(), core, ops::cpu_vector_isa(),
+                  like_for_like ? ""
+                                : fmt::format("\nnote: OpenBLAS runs its {} kernels, not {} "
+                                              "(OPENBLAS_CORETYPE from the environment): "
+                                              "unset it for like-for-like matmul ratios",
+                                              core, wanted)));
   bench_cpu_matmul(report, config);
   bench_elementwise(report, config);
   bench_copy(report, config);
