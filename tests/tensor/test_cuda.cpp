@@ -412,6 +412,37 @@ TEST_CASE("CUDA layer_norm and rms_norm match the CPU", "[cuda]") {
   }
 }
 
+TEST_CASE("CUDA elementwise ops in 16-byte packs give the scalar kernel's results", "[cuda]") {
+  TANDEM_SKIP_WITHOUT_GPU();
+  // Contiguous aligned operands go through the packs, the last n % pack
+  // elements through the scalar kernel (Note [Vectorised elementwise]); a view
+  // one element in is unaligned and a broadcast is strided: scalar throughout.
+  for (DType dt : {DType::F32, DType::F64, DType::BF16, DType::F16, DType::I64}) {
+    for (int64_t n : {1, 7, 8, 9, 4099, 100003}) {
+      INFO(dtype_name(dt) << " n " << n);
+      Tensor a = random_tensor({n}, dt, 31, -4.0, 4.0);
+      Tensor b = random_tensor({n}, dt, 32, 0.5, 4.0);
+      Tensor ga = gpu(a), gb = gpu(b);
+      check_same(ops::neg(a), ops::neg(ga));
+      check_same(ops::add(a, b), ops::add(ga, gb));
+      check_same(ops::mul(a, b), ops::mul(ga, gb));
+      check_same(ops::maximum(a, b), ops::maximum(ga, gb));
+      check_same(ops::mul(a, 3.0), ops::mul(ga, 3.0));
+      check_same(ops::sub(a, 2.0), ops::sub(ga, 2.0));
+      if (dt != DType::I64) check_close(ops::exp(a), ops::exp(ga), math_tol(dt));
+      if (n > 1) {
+        Tensor va = ops::narrow(a, 0, 1, n - 1), vb = ops::narrow(b, 0, 1, n - 1);
+        Tensor gva = ops::narrow(ga, 0, 1, n - 1), gvb = ops::narrow(gb, 0, 1, n - 1);
+        check_same(ops::add(va, vb), ops::add(gva, gvb));
+        check_same(ops::neg(va), ops::neg(gva));
+        check_same(ops::mul(va, 3.0), ops::mul(gva, 3.0));
+      }
+      Tensor row = ops::narrow(a, 0, 0, 1);
+      check_same(ops::add(ops::expand(row, {n}), b), ops::add(ops::expand(gpu(row), {n}), gb));
+    }
+  }
+}
+
 TEST_CASE("CUDA indexing ops match the CPU exactly", "[cuda]") {
   TANDEM_SKIP_WITHOUT_GPU();
   // Index tensors match t (6, 6) in every dim but the indexed one (the
