@@ -83,7 +83,8 @@ run_tsan() {
 # stay reachable from their static pointers, so it does not report them).
 # The CUDA cases run on the emulated device (TANDEM_CUDA=emulated), whose
 # device memory is one malloc per allocation: a kernel's out-of-bounds access
-# is a report here. TANDEM_SKIP_ASAN=1 skips it.
+# is a report here; the parallel suite runs a second time with its rank
+# threads on that device. TANDEM_SKIP_ASAN=1 skips it.
 asan_build="${TANDEM_ASAN_BUILD_DIR:-$root/build-asan}"
 asan_suites=(runtime tensor autograd comm parallel train tools)
 sanitizer_env=(
@@ -105,18 +106,30 @@ run_asan() {
   rm -f "$asan_build"/tests/junit-asan-*.xml
   local failed=0
   for s in "${asan_suites[@]}"; do
-    echo "tandem: AddressSanitizer + UBSan: $s"
-    if ! env "${sanitizer_env[@]}" TANDEM_WAIT_TIMEOUT_S=300 TANDEM_CUDA=emulated \
-        "$asan_build/tests/tandem-tests-$s" \
-        $(suite_filter "$s") --use-colour no -r junit -o "$asan_build/tests/junit-asan-$s.xml" \
-        >"$asan_build/tests/asan-$s.log" 2>&1; then
-      echo "tandem: AddressSanitizer + UBSan run of $s failed (log: $asan_build/tests/asan-$s.log):"
-      grep -m 5 -A 20 -E "ERROR: (Address|Leak)Sanitizer|runtime error:" "$asan_build/tests/asan-$s.log" ||
-        tail -20 "$asan_build/tests/asan-$s.log"
-      failed=$((failed + 1))
-    fi
+    asan_run "$s" "$s" || failed=$((failed + 1))
   done
+  # The parallel suite again with its rank threads on the emulated cuda:0
+  # (TANDEM_TEST_DEVICE=cuda): the threads backend's device copies and the
+  # kernels the layers launch there.
+  asan_run parallel-cuda parallel TANDEM_TEST_DEVICE=cuda || failed=$((failed + 1))
   return $failed
+}
+
+# asan_run LABEL SUITE [NAME=value…]: one run of tandem-tests-SUITE under the
+# sanitizers, reported as junit-asan-LABEL.xml.
+asan_run() {
+  local label="$1" s="$2"
+  shift 2
+  echo "tandem: AddressSanitizer + UBSan: $label"
+  if ! env "${sanitizer_env[@]}" TANDEM_WAIT_TIMEOUT_S=300 TANDEM_CUDA=emulated "$@" \
+      "$asan_build/tests/tandem-tests-$s" \
+      $(suite_filter "$s") --use-colour no -r junit -o "$asan_build/tests/junit-asan-$label.xml" \
+      >"$asan_build/tests/asan-$label.log" 2>&1; then
+    echo "tandem: AddressSanitizer + UBSan run of $label failed (log: $asan_build/tests/asan-$label.log):"
+    grep -m 5 -A 20 -E "ERROR: (Address|Leak)Sanitizer|runtime error:" "$asan_build/tests/asan-$label.log" ||
+      tail -20 "$asan_build/tests/asan-$label.log"
+    return 1
+  fi
 }
 
 # Runs the Catch2 binaries of suites "${@:4}" from build directory $2 as stage
