@@ -7,6 +7,12 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The sanitizer and fuzz builds compile with -g, and ccache then hashes the
+# build directory's path by default: a fresh checkout elsewhere (CI's) would
+# miss every object of those builds. Meson's compile lines use relative paths,
+# so without the directory in the hash any checkout hits (the debug info then
+# names the directory that first compiled the object).
+export CCACHE_NOHASHDIR=1
 build="${TANDEM_BUILD_DIR:-$root/build}"
 jobs="${TANDEM_JOBS:-2}"
 
