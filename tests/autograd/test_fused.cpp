@@ -16,6 +16,7 @@
 #include "autograd/ops.h"
 #include "runtime/device.h"
 #include "tests/support/autograd_util.h"
+#include "tests/support/skip_cuda.h"
 #include "tests/support/test_util.h"
 
 using namespace tandem;
@@ -322,11 +323,7 @@ TEST_CASE("fused norm backward matches the composite gradients", "[fused]") {
 }
 
 TEST_CASE("fused kernels on CUDA match the CPU", "[fused][cuda]") {
-  if (!cuda_available()) {
-    WARN("SKIP: no CUDA device");
-    std::cout << "SKIP: no CUDA device" << std::endl;  // counted as skipped by the CI summary
-    return;
-  }
+  TANDEM_SKIP_WITHOUT_CUDA();
   const Device gpu = Device::cuda(0);
   auto on_gpu = [&](const Tensor& t) { return ops::to(t, gpu); };
   auto on_cpu = [](const Tensor& t) { return ops::to(t, Device::cpu()); };
@@ -401,11 +398,7 @@ const std::vector<AttnCase> kTiledCases = {
 };
 
 TEST_CASE("tiled CUDA attention matches the CPU", "[fused][cuda]") {
-  if (!cuda_available()) {
-    WARN("SKIP: no CUDA device");
-    std::cout << "SKIP: no CUDA device" << std::endl;  // counted as skipped by the CI summary
-    return;
-  }
+  TANDEM_SKIP_WITHOUT_CUDA();
   const Device gpu = Device::cuda(0);
   auto on_gpu = [&](const Tensor& t) { return ops::to(t, gpu); };
   auto on_cpu = [](const Tensor& t) { return ops::to(t, Device::cpu()); };
@@ -492,11 +485,7 @@ TEST_CASE("tiled CUDA attention matches the CPU", "[fused][cuda]") {
 }
 
 TEST_CASE("tiled CUDA attention names a head dim too large for its tiles", "[fused][cuda]") {
-  if (!cuda_available()) {
-    WARN("SKIP: no CUDA device");
-    std::cout << "SKIP: no CUDA device" << std::endl;  // counted as skipped by the CI summary
-    return;
-  }
+  TANDEM_SKIP_WITHOUT_CUDA();
   // Even single-row tiles of an f64 head dim of 4096 pass 48 KiB of shared
   // memory (Note [Tiled CUDA attention]): a clear error, not a bad launch.
   Tensor q = ops::zeros({1, 1, 2, 4096}, F64, Device::cuda(0));

@@ -10,6 +10,7 @@
 #include "autograd/ops.h"
 #include "autograd/optim.h"
 #include "runtime/device.h"
+#include "tests/support/skip_cuda.h"
 
 using namespace tandem;
 
@@ -151,11 +152,7 @@ TEST_CASE("a tiny TransformerLM learns to continue a repeating pattern", "[train
 // cuda:0 against the same step on the CPU: logits, loss, every parameter
 // gradient and the parameters after AdamW.
 TEST_CASE("a TransformerLM training step on CUDA matches the CPU", "[training]") {
-  if (!cuda_available()) {
-    WARN("SKIP: no CUDA device");
-    std::cout << "SKIP: no CUDA device" << std::endl;  // counted as skipped by the CI summary
-    return;
-  }
+  TANDEM_SKIP_WITHOUT_CUDA();
   nn::TransformerLMConfig config;
   config.vocab = 16;
   config.d_model = 32;

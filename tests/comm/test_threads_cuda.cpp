@@ -16,21 +16,13 @@
 #include "runtime/stream.h"
 #include "tensor/ops.h"
 #include "tests/comm/collective_values.h"
+#include "tests/support/skip_cuda.h"
 
 namespace tandem {
 namespace {
 
 using namespace collective_test;
 using test::random_tensor;
-
-#define TANDEM_SKIP_WITHOUT_CUDA()                      \
-  do {                                                  \
-    if (!::tandem::cuda_available()) {                  \
-      WARN("SKIP: no CUDA device");                     \
-      std::cout << "SKIP: no CUDA device" << std::endl; \
-      return;                                           \
-    }                                                   \
-  } while (0)
 
 const Device kCuda = Device::cuda(0);
 

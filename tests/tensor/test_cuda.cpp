@@ -22,22 +22,13 @@
 #include "runtime/error.h"
 #include "runtime/stream.h"
 #include "tensor/ops.h"
+#include "tests/support/skip_cuda.h"
 #include "tests/support/test_util.h"
 
 using namespace tandem;
 using tandem::test::random_tensor;
 using tandem::test::tensor_of;
 using tandem::test::values_of;
-
-#define TANDEM_SKIP_WITHOUT_GPU()                                              \
-  do {                                                                         \
-    if (!::tandem::cuda_available()) {                                         \
-      WARN("SKIP: no CUDA device");                                            \
-      /* stdout reaches the JUnit report, where the CI summary counts skips */ \
-      std::cout << "SKIP: no CUDA device" << std::endl;                        \
-      return;                                                                  \
-    }                                                                          \
-  } while (0)
 
 namespace {
 
@@ -120,7 +111,7 @@ TEST_CASE("CUDA build and device queries work with or without a GPU", "[cuda]") 
 }
 
 TEST_CASE("CUDA unary ops match the CPU", "[cuda]") {
-  TANDEM_SKIP_WITHOUT_GPU();
+  TANDEM_SKIP_WITHOUT_CUDA();
   const std::pair<const char*, Unary> cases[] = {
       {"neg", ops::neg},
       {"exp", ops::exp},
@@ -159,7 +150,7 @@ TEST_CASE("CUDA unary ops match the CPU", "[cuda]") {
 }
 
 TEST_CASE("CUDA binary, scalar and where ops match the CPU", "[cuda]") {
-  TANDEM_SKIP_WITHOUT_GPU();
+  TANDEM_SKIP_WITHOUT_CUDA();
   const std::pair<const char*, Binary> arith[] = {
       {"add", [](const Tensor& a, const Tensor& b) { return ops::add(a, b); }},
       {"sub", [](const Tensor& a, const Tensor& b) { return ops::sub(a, b); }},
@@ -216,7 +207,7 @@ TEST_CASE("CUDA binary, scalar and where ops match the CPU", "[cuda]") {
 }
 
 TEST_CASE("CUDA copies, casts, fills and factories match the CPU exactly", "[cuda]") {
-  TANDEM_SKIP_WITHOUT_GPU();
+  TANDEM_SKIP_WITHOUT_CUDA();
   for (DType from : kAllTypes) {
     Tensor x = random_tensor({3, 5}, from, 6, -300.0, 300.0);
     Tensor gx = gpu(x);
@@ -255,7 +246,7 @@ TEST_CASE("CUDA copies, casts, fills and factories match the CPU exactly", "[cud
 }
 
 TEST_CASE("CUDA random numbers equal the CPU's for the same generator state", "[cuda]") {
-  TANDEM_SKIP_WITHOUT_GPU();
+  TANDEM_SKIP_WITHOUT_CUDA();
   Device cuda = Device::cuda(0);
   for (DType dt : kFloatTypes) {
     INFO(dtype_name(dt));
@@ -278,7 +269,7 @@ TEST_CASE("CUDA random numbers equal the CPU's for the same generator state", "[
 }
 
 TEST_CASE("CUDA long sums stay accurate (Note [Cascade summation])", "[cuda]") {
-  TANDEM_SKIP_WITHOUT_GPU();
+  TANDEM_SKIP_WITHOUT_CUDA();
   // The same bound as tests/tensor/test_summation.cpp: |error| / sum |x| below
   // 1e-6 at 1M and 4M elements, summed along and across the last dim, and a
   // cumsum's last prefix. The emulated device runs a block's threads as host
@@ -307,7 +298,7 @@ TEST_CASE("CUDA long sums stay accurate (Note [Cascade summation])", "[cuda]") {
 }
 
 TEST_CASE("CUDA reductions, softmax and cumsum match the CPU", "[cuda]") {
-  TANDEM_SKIP_WITHOUT_GPU();
+  TANDEM_SKIP_WITHOUT_CUDA();
   const Dims dim_sets[] = {{}, {0}, {1}, {2}, {0, 2}};
   for (DType dt : kAllTypes) {
     if (dt == DType::Bool) continue;
@@ -364,7 +355,7 @@ TEST_CASE("CUDA reductions, softmax and cumsum match the CPU", "[cuda]") {
 }
 
 TEST_CASE("CUDA matmul matches the CPU", "[cuda]") {
-  TANDEM_SKIP_WITHOUT_GPU();
+  TANDEM_SKIP_WITHOUT_CUDA();
   const std::pair<Shape, Shape> shapes[] = {
       {{5, 7}, {7, 3}}, {{2, 5, 7}, {7, 3}},    {{4, 1, 5, 7}, {3, 7, 6}}, {{7}, {7, 3}},
       {{5, 7}, {7}},    {{64, 128}, {128, 96}}, {{3, 1, 33}, {33, 65}},
@@ -386,7 +377,7 @@ TEST_CASE("CUDA matmul matches the CPU", "[cuda]") {
 }
 
 TEST_CASE("CUDA layer_norm and rms_norm match the CPU", "[cuda]") {
-  TANDEM_SKIP_WITHOUT_GPU();
+  TANDEM_SKIP_WITHOUT_CUDA();
   const Shape shapes[] = {{7, 33}, {2, 3, 3000}, {1, 1}};
   for (DType dt : kFloatTypes) {
     for (const Shape& shape : shapes) {
@@ -413,7 +404,7 @@ TEST_CASE("CUDA layer_norm and rms_norm match the CPU", "[cuda]") {
 }
 
 TEST_CASE("CUDA elementwise ops in 16-byte packs give the scalar kernel's results", "[cuda]") {
-  TANDEM_SKIP_WITHOUT_GPU();
+  TANDEM_SKIP_WITHOUT_CUDA();
   // Contiguous aligned operands go through the packs, the last n % pack
   // elements through the scalar kernel (Note [Vectorised elementwise]); a view
   // one element in is unaligned and a broadcast is strided: scalar throughout.
@@ -444,7 +435,7 @@ TEST_CASE("CUDA elementwise ops in 16-byte packs give the scalar kernel's result
 }
 
 TEST_CASE("CUDA indexing ops match the CPU exactly", "[cuda]") {
-  TANDEM_SKIP_WITHOUT_GPU();
+  TANDEM_SKIP_WITHOUT_CUDA();
   // Index tensors match t (6, 6) in every dim but the indexed one (the
   // (outer, k, inner) contract of gather and scatter_add).
   Tensor idx = tensor_of({4, 0, 0, 5, 2}, {5}, DType::I64);
@@ -481,7 +472,7 @@ TEST_CASE("CUDA indexing ops match the CPU exactly", "[cuda]") {
 }
 
 TEST_CASE("CUDA topk and argsort match the CPU's stable order", "[cuda]") {
-  TANDEM_SKIP_WITHOUT_GPU();
+  TANDEM_SKIP_WITHOUT_CUDA();
   // Few distinct values, so ties are everywhere and the tie order is tested.
   // 5000- and 10000-long rows exceed shared memory: the global-memory path.
   // On the emulated device each of the ~100 launches of a long row's network
@@ -522,7 +513,7 @@ TEST_CASE("CUDA topk and argsort match the CPU's stable order", "[cuda]") {
 }
 
 TEST_CASE("CUDA ops run on the thread's current stream", "[cuda]") {
-  TANDEM_SKIP_WITHOUT_GPU();
+  TANDEM_SKIP_WITHOUT_CUDA();
   Device cuda = Device::cuda(0);
   Tensor a = random_tensor({256, 64}, DType::F32, 29), b = random_tensor({64, 32}, DType::F32, 30);
   Tensor ga = gpu(a), gb = gpu(b);

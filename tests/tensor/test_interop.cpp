@@ -30,6 +30,7 @@
 #include "tensor/dlpack.h"
 #include "tensor/ops.h"
 #include "tensor/safetensors.h"
+#include "tests/support/skip_cuda.h"
 #include "tests/support/test_util.h"
 
 using namespace tandem;
@@ -753,11 +754,7 @@ TEST_CASE("from_dlpack rejects what tandem cannot hold and leaves ownership with
 }
 
 TEST_CASE("DLPack round trip of a CUDA tensor", "[interop][dlpack][cuda]") {
-  if (!cuda_available()) {
-    WARN("SKIP: no CUDA device");
-    std::cout << "SKIP: no CUDA device" << std::endl;
-    return;
-  }
+  TANDEM_SKIP_WITHOUT_CUDA();
   Tensor t = ops::to(iota_tensor({3, 4}, DType::F32), Device::cuda(0));
   Tensor v = ops::transpose(t, 0, 1);
   DLManagedTensor* m = to_dlpack(v);
