@@ -2,7 +2,8 @@
 // placements on 1-D and 2-D meshes, forward and backward, on even and uneven
 // shapes; the other reductions of Partial; the all_to_all path; the planner's
 // steps and the collectives they launch; the async form; from_local's shape
-// inference; the local shape/offset helpers; the front end's errors.
+// inference; the local shape/offset helpers (the front end's errors:
+// test_redistribute_errors.cpp).
 //
 // Expected values never come from the code under test: every rank computes,
 // with its own chunk arithmetic, which block of the global tensor it holds
@@ -763,52 +764,6 @@ TEST_CASE("distribute: shards slice the full tensor, Partial(sum) keeps it on co
       });
       REQUIRE_NO_FAILURES(failures);
     }
-  }
-}
-
-using Catch::Matchers::Contains;
-
-TEST_CASE("redistribute: errors name what was expected", "[redistribute]") {
-  // Every rank fails the same way; run_ranks rethrows it on this thread.
-  auto on_line = [](const std::function<void(const DeviceMesh&)>& fn) {
-    run_ranks(2, [&](ProcessGroupPtr world) { fn(make_mesh(world, {2})); });
-  };
-  SECTION("wrong number of placements") {
-    REQUIRE_THROWS_WITH(
-        on_line([](const DeviceMesh& mesh) {
-          DTensor t = DTensor::from_local(device_zeros({3, 4}), mesh, {Shard(0)}, Shape{6, 4});
-          t.redistribute({Replicate(), Replicate()});
-        }),
-        Contains("one placement per mesh dim (1)"));
-    REQUIRE_THROWS_WITH(
-        on_line([](const DeviceMesh& mesh) {
-          DTensor::from_local(device_zeros({3, 4}), mesh, {Shard(0), Shard(1)}, Shape{6, 4});
-        }),
-        Contains("one placement per mesh dim (1)"));
-    REQUIRE_THROWS_WITH(on_line([](const DeviceMesh& mesh) {
-                          DTensor::distribute(device_zeros({6, 4}), mesh, {});
-                        }),
-                        Contains("one placement per mesh dim (1)"));
-  }
-  SECTION("Partial(sum) -> Partial(max)") {
-    REQUIRE_THROWS_WITH(
-        on_line([](const DeviceMesh& mesh) {
-          DTensor t = DTensor::from_local(device_zeros({6, 4}), mesh, {Partial()}, Shape{6, 4});
-          t.redistribute({Partial(RedOp::Max)});
-        }),
-        Contains("Partial(sum)") && Contains("Partial(max)") && Contains("cannot be converted"));
-  }
-  SECTION("a shard dim beyond the tensor") {
-    REQUIRE_THROWS(on_line([](const DeviceMesh& mesh) {
-      DTensor t = DTensor::from_local(device_zeros({6, 4}), mesh, {Replicate()}, Shape{6, 4});
-      t.redistribute({Shard(2)});
-    }));
-  }
-  SECTION("a local tensor that does not fit the global shape") {
-    REQUIRE_THROWS_WITH(on_line([](const DeviceMesh& mesh) {
-                          DTensor::from_local(device_zeros({4, 4}), mesh, {Shard(0)}, Shape{6, 4});
-                        }),
-                        Contains("expected a local tensor of shape"));
   }
 }
 
