@@ -24,7 +24,11 @@ namespace {
 using namespace collective_test;
 using test::random_tensor;
 
-const Device kCuda = Device::cuda(0);
+// cuda:0, made when a test runs (Device::cuda throws where no CUDA device
+// exists, so not at static initialisation).
+Device cuda0() {
+  return Device::cuda(0);
+}
 
 // Runs `collective` on the CPU copy and the CUDA copy of the same input and
 // records a failure unless the two results hold the same values.
@@ -32,7 +36,7 @@ template <class F>
 void same_on_both(Failures& failures, int rank, const std::string& what, const Tensor& x,
                   F&& collective) {
   Tensor on_cpu = collective(x);
-  Tensor on_cuda = collective(ops::to(x, kCuda));
+  Tensor on_cuda = collective(ops::to(x, cuda0()));
   if (!on_cuda.device().is_cuda()) {
     failures.add(fmt::format("rank {}: {}: result on {}, expected cuda", rank, what,
                              on_cuda.device().str()));
@@ -117,7 +121,7 @@ TEST_CASE("threads backend: a 16 MiB all_gather on CUDA tensors copies in parts"
   Failures failures;
   // 4 MiB pieces are split into parts (Note [Threads job order]).
   run_ranks(4, [&](ProcessGroupPtr pg) {
-    Tensor x = ops::full({1 << 20}, pg->rank() + 1, DType::F32, kCuda);
+    Tensor x = ops::full({1 << 20}, pg->rank() + 1, DType::F32, cuda0());
     Tensor out = ops::to(finished(pg->all_gather(x)), Device::cpu());
     std::vector<float> v = out.to_vector<float>();
     for (int r = 0; r < 4; ++r) {
@@ -136,9 +140,9 @@ TEST_CASE("threads backend: a CUDA input still queued on the caller's stream is 
   run_ranks(4, [&](ProcessGroupPtr pg) {
     const int rank = pg->rank();
     // A stream of this rank's own; its work runs behind the host's back.
-    Stream stream = Stream::create(kCuda);
+    Stream stream = Stream::create(cuda0());
     StreamGuard guard(stream);
-    Tensor x = ops::full({1 << 16}, 1.0, DType::F32, kCuda);
+    Tensor x = ops::full({1 << 16}, 1.0, DType::F32, cuda0());
     for (int i = 0; i < 20; ++i)
       x = ops::add(x, x);  // 2^20 once the stream ran them all
     Tensor sum = finished(pg->all_reduce(ops::mul(x, static_cast<double>(rank + 1))));
@@ -157,7 +161,7 @@ TEST_CASE("threads backend: ranks on different devices fail naming both", "[coll
   testing::RankChecks checks;
   try {
     run_ranks(2, [&](ProcessGroupPtr pg) {
-      Device d = pg->rank() == 0 ? Device::cpu() : kCuda;
+      Device d = pg->rank() == 0 ? Device::cpu() : cuda0();
       pg->all_reduce(ops::ones({4}, DType::F32, d))->synchronize();
     });
     checks.check(false, "mixed devices: no exception");
