@@ -4,8 +4,8 @@
 #include <cmath>
 
 #include "autograd/checkpoint.h"
-#include "autograd/ops.h"
 #include "autograd/functions/node_name.h"
+#include "autograd/ops.h"
 
 namespace tandem {
 namespace {

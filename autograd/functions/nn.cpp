@@ -2,8 +2,8 @@
 #include <cmath>
 #include <limits>
 
-#include "autograd/ops.h"
 #include "autograd/functions/node_name.h"
+#include "autograd/ops.h"
 
 namespace tandem {
 

@@ -403,8 +403,8 @@ void binary_scalar(BinaryOp op, const TensorArg& a, double s, bool scalar_first,
       T* y = static_cast<T*>(out.data);
       const int64_t packs = out.numel / kPack<T>;
       if (a.contiguous && packs > 0 && aligned16(x) && aligned16(y)) {
-        detail::launch(binary_scalar_pack_kernel<T>, detail::blocks_for(packs), detail::kThreads,
-                       0, stream, op, reinterpret_cast<const Pack<T>*>(x), s, scalar_first,
+        detail::launch(binary_scalar_pack_kernel<T>, detail::blocks_for(packs), detail::kThreads, 0,
+                       stream, op, reinterpret_cast<const Pack<T>*>(x), s, scalar_first,
                        reinterpret_cast<Pack<T>*>(y), packs);
         const int64_t done = packs * kPack<T>;
         if (done < out.numel) {
