@@ -30,8 +30,8 @@
 // whichever thread computes its tile and whether the product is alone or an
 // item of a batch. So an f32 product has the same bits at any thread count,
 // batched or not (tests/tensor/test_matmul.cpp checks both). Threads (Note [CPU
-// kernel threads]) share the packing of each block of A and of B and then take
-// row tiles of C; a batch is split by item. f64 products through BLAS are split
+// kernel threads]) take one piece of C each (Note [GEMM split over threads]);
+// a batch is split by item. f64 products through BLAS are split
 // into panels of C rows (or columns, when C is wider than tall), each computed
 // single-threaded by one chunk whose blocking depends on the panel: the same
 // bits at a given thread count, not across thread counts.
@@ -169,11 +169,11 @@ void transpose_into_panel(const float* src, int64_t ld_src, int64_t rows, int64_
   }
 }
 
-// Micro-panels [p0, p1) of B[pc:pc+kc, jc:jc+nc] (B(p, j) at b[p * ldb + j], or
-// b[j * ldb + p] when trans), each [kc][kNR], zero-padded past nc.
+// B[pc:pc+kc, jc:jc+nc] (B(p, j) at b[p * ldb + j], or b[j * ldb + p] when
+// trans) as micro-panels of [kc][kNR], zero-padded past nc.
 void pack_b(const float* b, int64_t ldb, bool trans, int64_t pc, int64_t kc, int64_t jc, int64_t nc,
-            int64_t p0, int64_t p1, float* dst) {
-  for (int64_t panel = p0; panel < p1; ++panel) {
+            float* dst) {
+  for (int64_t panel = 0; panel * kNR < nc; ++panel) {
     const int64_t j0 = panel * kNR, nr = std::min(kNR, nc - j0);
     float* d = dst + panel * kc * kNR;
     if (trans) {
@@ -241,13 +241,13 @@ void compute_tiles(const float* ap, int64_t t_base, const float* bp, float* c, i
   }
 }
 
-// The f32 product of Note [CPU GEMM backend] (k > 0). Per block of k steps,
-// the A panels of up to kMC rows are packed once (the threads share the
-// packing) and serve every block of columns; per block of B, the threads pack
-// its micro-panels, then take row tiles of C.
+// The f32 product of Note [CPU GEMM backend] (k > 0) on the calling thread
+// alone. Per block of k steps, the A panels of up to kMC rows are packed once
+// and serve every block of columns; per block of columns, B's micro-panels are
+// packed, then every row tile of C is computed against them.
 void own_sgemm(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k,
                const GemmArgs& g, int64_t lda, int64_t ldb, int64_t ldc) {
-  // The caller's buffers; the workers read them within the call.
+  // Per thread: each piece of a split product packs into its own buffers.
   thread_local std::vector<float> b_buf(static_cast<size_t>(kKC * kNC));
   thread_local std::vector<float> a_buf;
   float* bp = b_buf.data();
@@ -257,29 +257,66 @@ void own_sgemm(const float* a, const float* b, float* c, int64_t m, int64_t n, i
     a_buf.resize(static_cast<size_t>(mc_tiles * kMR * kKC));
   }
   float* ap = a_buf.data();
-  const int64_t tile_grain =
-      std::max<int64_t>(1, kParallelMacs / (kMR * std::min(n, kNC) * std::min(k, kKC)));
   for (int64_t pc = 0; pc < k; pc += kKC) {
     const int64_t kc = std::min(kKC, k - pc);
     for (int64_t tc = 0; tc < tiles; tc += mc_tiles) {
       const int64_t tc_end = std::min(tiles, tc + mc_tiles);
-      parallel_for(tc_end - tc, 4, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = tc + t0; t < tc + t1; ++t) {
-          pack_a(a, lda, g.trans_a, t * kMR, std::min(kMR, m - t * kMR), pc, kc,
-                 ap + (t - tc) * kc * kMR);
-        }
-      });
+      for (int64_t t = tc; t < tc_end; ++t) {
+        pack_a(a, lda, g.trans_a, t * kMR, std::min(kMR, m - t * kMR), pc, kc,
+               ap + (t - tc) * kc * kMR);
+      }
       for (int64_t jc = 0; jc < n; jc += kNC) {
         const int64_t nc = std::min(kNC, n - jc);
-        parallel_for((nc + kNR - 1) / kNR, 4, [&](int64_t p0, int64_t p1) {
-          pack_b(b, ldb, g.trans_b, pc, kc, jc, nc, p0, p1, bp);
-        });
-        parallel_for(tc_end - tc, tile_grain, [&](int64_t t0, int64_t t1) {
-          compute_tiles(ap, tc, bp, c, m, pc, kc, jc, nc, g, ldc, tc + t0, tc + t1);
-        });
+        pack_b(b, ldb, g.trans_b, pc, kc, jc, nc, bp);
+        compute_tiles(ap, tc, bp, c, m, pc, kc, jc, nc, g, ldc, tc, tc_end);
       }
     }
   }
+}
+
+// Note [GEMM split over threads]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A product on several threads is cut into one piece of C per thread, along m
+// in whole kMR-row tiles, or along n in whole kNR-column panels when that
+// deals out the register tiles at least 5% more evenly (a piece cut along n
+// packs all of A, whose rows go through transposes), and each piece is an own_sgemm of
+// its own: it packs its rows of A and its columns of B into its thread's
+// buffers and never waits for another thread. Sharing the packing instead
+// (each block of A and B packed once by all threads) costs two barriers per
+// block of B, and on two cores the thread that arrives first idles at each;
+// packing the other operand once per piece costs about 2/m (or 2/n) of the
+// piece's multiply-adds. The cut changes which thread computes an element,
+// never its arithmetic: the promise of Note [CPU GEMM backend] holds.
+void split_sgemm(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k,
+                 const GemmArgs& g, int64_t lda, int64_t ldb, int64_t ldc) {
+  const int64_t threads = num_threads();
+  if (threads == 1 || m * n * k < kParallelMacs)
+    return own_sgemm(a, b, c, m, n, k, g, lda, ldb, ldc);
+  const int64_t tiles = (m + kMR - 1) / kMR, panels = (n + kNR - 1) / kNR;
+  // The largest piece's share of micro-tiles when `units` are dealt out in
+  // `threads` contiguous runs, against the other dim's count.
+  auto largest = [&](int64_t units, int64_t other) {
+    return (units + threads - 1) / threads * other;
+  };
+  const bool by_rows = 100 * largest(panels, tiles) > 95 * largest(tiles, panels);
+  const int64_t units = by_rows ? tiles : panels;
+  const int64_t pieces = std::min(threads, units);
+  parallel_for(pieces, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      // Pieces of units/pieces units, the first units % pieces one larger.
+      const int64_t base = units / pieces, extra = units % pieces;
+      const int64_t u0 = p * base + std::min(p, extra), u1 = u0 + base + (p < extra ? 1 : 0);
+      if (by_rows) {
+        const int64_t i0 = u0 * kMR, i1 = std::min(m, u1 * kMR);
+        const float* a_part = g.trans_a ? a + i0 : a + i0 * lda;
+        own_sgemm(a_part, b, c + i0 * ldc, i1 - i0, n, k, g, lda, ldb, ldc);
+      } else {
+        const int64_t j0 = u0 * kNR, j1 = std::min(n, u1 * kNR);
+        const float* b_part = g.trans_b ? b + j0 * ldb : b + j0;
+        own_sgemm(a, b_part, c + j0, m, j1 - j0, k, g, lda, ldb, ldc);
+      }
+    }
+  });
 }
 
 template <class A>
@@ -318,7 +355,7 @@ void gemm_one(const A* a, const A* b, A* c, const GemmArgs& g, int64_t lda, int6
               int64_t ldc) {
   const int64_t m = g.m, n = g.n, k = g.k;
   if constexpr (std::is_same_v<A, float>) {
-    if (k > 0) return own_sgemm(a, b, c, m, n, k, g, lda, ldb, ldc);  // threads inside
+    if (k > 0) return split_sgemm(a, b, c, m, n, k, g, lda, ldb, ldc);
   }
   const bool split_rows = m >= n;
   const int64_t extent = split_rows ? m : n;

@@ -281,3 +281,31 @@ TEST_CASE("f32 matmul across the kernel's cache blocks", "[matmul][threads]") {
   }
   ops::set_num_threads(saved);
 }
+
+// Note [GEMM split over threads]: a product with one row tile on every target
+// (M = 5) is cut along n on two threads; each piece packs all of A. The bits
+// are those of one thread in every transpose combination.
+TEST_CASE("f32 matmul cut along n keeps the bits of one thread", "[matmul][threads]") {
+  const int saved = ops::num_threads();
+  const int64_t M = 5, K = 300, N = 545;
+  std::vector<double> a = random_stored(M * K, 72, DType::F32);
+  std::vector<double> b = random_stored(K * N, 73, DType::F32);
+  Index out_shape;
+  const std::vector<double> expected = ref_matmul(a, {M, K}, b, {K, N}, out_shape);
+  const Tensor an = tensor_of(a, {M, K}), bn = tensor_of(b, {K, N});
+  const Tensor at = ops::contiguous(ops::transpose(an, 0, 1));
+  const Tensor bt = ops::contiguous(ops::transpose(bn, 0, 1));
+  for (const auto& [x, y, name] :
+       {std::tuple{an, bn, "A B"}, std::tuple{ops::transpose(at, 0, 1), bn, "A^T B"},
+        std::tuple{an, ops::transpose(bt, 0, 1), "A B^T"},
+        std::tuple{ops::transpose(at, 0, 1), ops::transpose(bt, 0, 1), "A^T B^T"}}) {
+    INFO(name);
+    ops::set_num_threads(1);
+    const std::vector<double> one = values_of(ops::matmul(x, y));
+    ops::set_num_threads(2);
+    const std::vector<double> two = values_of(ops::matmul(x, y));
+    TANDEM_REQUIRE_CLOSE(one, expected, 1e-5, 2e-6 * K);
+    REQUIRE(two == one);
+  }
+  ops::set_num_threads(saved);
+}
