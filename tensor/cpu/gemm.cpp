@@ -94,8 +94,11 @@ inline void store_row(const VecF* acc, float* out, int64_t nr, float alpha, floa
 
 // C[mr x nr] = alpha * A B + (load_c ? beta * C : 0) for one kMR x kNR tile:
 // ap is a packed A micro-panel [kc][kMR], bp a packed B micro-panel [kc][kNR].
-void micro_kernel(int64_t kc, const float* ap, const float* bp, float* c, int64_t ldc, int64_t mr,
-                  int64_t nr, float alpha, float beta, bool load_c) {
+// Never inlined: inside the packing loops of own_sgemm, GCC 12 no longer keeps
+// the accumulator tile in registers on AVX2 builds and spills it every k step.
+__attribute__((noinline)) void micro_kernel(int64_t kc, const float* ap, const float* bp, float* c,
+                                            int64_t ldc, int64_t mr, int64_t nr, float alpha,
+                                            float beta, bool load_c) {
   if (load_c) {  // C's rows are far apart: start their loads before the k loop
     for (int64_t r = 0; r < mr; ++r) {
       for (int64_t v = 0; v < kNR; v += 64 / static_cast<int64_t>(sizeof(float)))
@@ -125,12 +128,33 @@ void micro_kernel(int64_t kc, const float* ap, const float* bp, float* c, int64_
     store_row(acc[r], c + r * ldc, nr, alpha, beta, load_c);
 }
 
+#if defined(__AVX__)
+// x[0..8) = the columns of the 8 x 8 block whose rows are x[0..8).
+inline void transpose8x8(__m256 (&x)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);      // rows i, i+1 interleaved: 0 1 | 4 5
+    t[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);  // 2 3 | 6 7
+  }
+  for (int h = 0; h < 8; h += 4) {  // rows h..h+3: columns c and c+4 in the two lanes
+    u[h] = _mm256_shuffle_ps(t[h], t[h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    x[c] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20);
+    x[c + 4] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
+  }
+}
+#endif
+
 // dst[p * ld_dst + r] = src[r * ld_src + p] for p < kc and r < rows, and 0 for
 // rows <= r < panel_rows: rows of a matrix become the columns of a packed
-// panel. Blocks of 4 rows x 4 steps go through registers (one 4 x 4 transpose:
-// 4 loads, 8 shuffles, 4 stores for 16 floats, where element by element it is
-// 16 loads and 16 stores); panel_rows is a multiple of 2 (kMR or kNR), and a
-// last pair of rows goes through one unpack.
+// panel. Blocks of 8 rows x 8 steps (AVX) and of 4 x 4 go through registers:
+// one 8 x 8 transpose is 8 loads, 24 shuffles and 8 stores for 64 floats,
+// where element by element it is 64 loads and 64 stores. panel_rows is a
+// multiple of 2 (kMR or kNR), and a last pair of rows goes through one unpack.
 void transpose_into_panel(const float* src, int64_t ld_src, int64_t rows, int64_t panel_rows,
                           int64_t kc, float* dst, int64_t ld_dst) {
   int64_t p_vec = 0;
@@ -139,17 +163,38 @@ void transpose_into_panel(const float* src, int64_t ld_src, int64_t rows, int64_
   auto row = [&](int64_t r, int64_t p) {
     return r < rows ? _mm_loadu_ps(src + r * ld_src + p) : _mm_setzero_ps();
   };
+  // Rows r0..r0+3 at steps p..p+3.
+  auto block4 = [&](int64_t r0, int64_t p) {
+    __m128 x0 = row(r0, p), x1 = row(r0 + 1, p), x2 = row(r0 + 2, p), x3 = row(r0 + 3, p);
+    _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
+    float* d = dst + p * ld_dst + r0;
+    _mm_storeu_ps(d, x0);
+    _mm_storeu_ps(d + ld_dst, x1);
+    _mm_storeu_ps(d + 2 * ld_dst, x2);
+    _mm_storeu_ps(d + 3 * ld_dst, x3);
+  };
   int64_t r0 = 0;
-  for (; r0 + 4 <= panel_rows; r0 += 4) {
-    for (int64_t p = 0; p < p_vec; p += 4) {
-      __m128 x0 = row(r0, p), x1 = row(r0 + 1, p), x2 = row(r0 + 2, p), x3 = row(r0 + 3, p);
-      _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
+#if defined(__AVX__)
+  const int64_t p_vec8 = kc / 8 * 8;
+  for (; r0 + 8 <= panel_rows; r0 += 8) {
+    for (int64_t p = 0; p < p_vec8; p += 8) {
+      __m256 x[8];
+      for (int i = 0; i < 8; ++i)
+        x[i] = r0 + i < rows ? _mm256_loadu_ps(src + (r0 + i) * ld_src + p) : _mm256_setzero_ps();
+      transpose8x8(x);
       float* d = dst + p * ld_dst + r0;
-      _mm_storeu_ps(d, x0);
-      _mm_storeu_ps(d + ld_dst, x1);
-      _mm_storeu_ps(d + 2 * ld_dst, x2);
-      _mm_storeu_ps(d + 3 * ld_dst, x3);
+      for (int i = 0; i < 8; ++i)
+        _mm256_storeu_ps(d + i * ld_dst, x[i]);
     }
+    for (int64_t p = p_vec8; p < p_vec; p += 4) {  // at most one block of 4 steps
+      block4(r0, p);
+      block4(r0 + 4, p);
+    }
+  }
+#endif
+  for (; r0 + 4 <= panel_rows; r0 += 4) {
+    for (int64_t p = 0; p < p_vec; p += 4)
+      block4(r0, p);
   }
   if (r0 < panel_rows) {  // two rows left
     for (int64_t p = 0; p < p_vec; p += 4) {

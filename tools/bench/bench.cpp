@@ -35,10 +35,17 @@ const char* openblas_core_for_kernels() {
 }
 
 void hold_blas_to_kernel_isa(char** argv) {
+  bool changed = false;
   const char* core = openblas_core_for_kernels();
-  if (core == nullptr || std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
-  setenv("OPENBLAS_CORETYPE", core, 1);
-  execv("/proc/self/exe", argv);  // on failure, go on with OpenBLAS's own choice
+  if (core != nullptr && std::getenv("OPENBLAS_CORETYPE") == nullptr) {
+    setenv("OPENBLAS_CORETYPE", core, 1);
+    changed = true;
+  }
+  if (std::getenv("OPENBLAS_THREAD_TIMEOUT") == nullptr) {  // Note [Idle BLAS threads]
+    setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1);
+    changed = true;
+  }
+  if (changed) execv("/proc/self/exe", argv);  // on failure, go on as OpenBLAS chose
 }
 
 namespace {

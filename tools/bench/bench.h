@@ -155,13 +155,28 @@ class Report {
 //   [Autograd baselines] in bench_autograd_baselines.cpp), as on an AVX2-only
 //   machine.
 // A user's own OPENBLAS_CORETYPE is kept; the reports name the kernels used.
+//
+// Note [Idle BLAS threads]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// After each call OpenBLAS's worker threads keep polling for the next one for
+// 2^28 cycles (about 0.1 s) before they sleep. The rows alternate the two
+// sides trial by trial (Note [Benchmark timing]), so those polling threads ran
+// into the next tandem trial and took a core from tandem's kernel threads,
+// whose split of a product (Note [GEMM split over threads] in
+// tensor/cpu/gemm.cpp) then waits for the slowed one: a 2-thread row read
+// anywhere from 0.5x to 1.1x from one run to the next. The re-exec sets
+// OPENBLAS_THREAD_TIMEOUT=4 (2^4 cycles) unless the user set it, so that each
+// side's trials run on cores the other side left idle; OpenBLAS then wakes its
+// workers once per call, which its back-to-back calls within a trial barely
+// notice (the rows' baseline GFLOP/s are those of the default).
 // Whether this build's kernels target less than this CPU runs.
 bool kernels_below_machine();
 // OpenBLAS's core type for the kernels' ISA, or null (plain SSE2 builds).
 const char* openblas_core_for_kernels();
-// Sets OPENBLAS_CORETYPE to openblas_core_for_kernels() and re-executes this
-// program with `argv` when it is unset (returns when nothing is to be done or
-// the exec failed).
+// Sets OPENBLAS_CORETYPE to openblas_core_for_kernels() and
+// OPENBLAS_THREAD_TIMEOUT (Note [Idle BLAS threads]) where they are unset, and
+// re-executes this program with `argv` when it set either (returns when
+// nothing is to be done or the exec failed).
 void hold_blas_to_kernel_isa(char** argv);
 
 // Sub-benchmarks. Each returns the process exit status.

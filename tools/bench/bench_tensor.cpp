@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <vector>
@@ -349,11 +350,18 @@ int run_tensor(const Options& options) {
       wanted == nullptr ||
       std::equal(core.begin(), core.end(), wanted, wanted + std::strlen(wanted),
                  [](char a, char b) { return std::tolower(a) == std::tolower(b); });
+  // Note [Idle BLAS threads]: how long OpenBLAS's idle workers poll.
+  const char* timeout_env = std::getenv("OPENBLAS_THREAD_TIMEOUT");
+  const std::string thread_timeout = timeout_env != nullptr ? timeout_env : "default";
   report.set(
       "openblas",
-      {{"config", openblas_get_config()}, {"core", core}, {"core_matches_kernels", like_for_like}},
-      fmt::format("baseline BLAS: {} (kernels: {}); tandem's CPU kernels: {}{}",
-                  openblas_get_config(), core, ops::cpu_vector_isa(),
+      {{"config", openblas_get_config()},
+       {"core", core},
+       {"core_matches_kernels", like_for_like},
+       {"thread_timeout", thread_timeout}},
+      fmt::format("baseline BLAS: {} (kernels: {}, OPENBLAS_THREAD_TIMEOUT={}); tandem's CPU "
+                  "kernels: {}{}",
+                  openblas_get_config(), core, thread_timeout, ops::cpu_vector_isa(),
                   like_for_like ? ""
                                 : fmt::format("\nnote: OpenBLAS runs its {} kernels, not {} "
                                               "(OPENBLAS_CORETYPE from the environment): "
