@@ -1,6 +1,7 @@
 // DLPack export and import (tensor/dlpack.h, Note [DLPack ownership]).
 #include "tensor/dlpack.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -128,6 +129,59 @@ Device import_device(DLDevice d) {
       static_cast<int>(d.device_type));
 }
 
+// The shape of an imported tensor, its extents non-negative and the product
+// of the non-zero ones within 64 bits.
+Shape import_shape(const DLTensor& dl) {
+  Shape shape;
+  int64_t nonzero = 1;
+  bool overflow = false;
+  for (int i = 0; i < dl.ndim; ++i) {
+    TANDEM_CHECK(dl.shape[i] >= 0,
+                 "[tensor::from_dlpack] expected non-negative extents, got {} in dim {}",
+                 dl.shape[i], i);
+    shape.push_back(dl.shape[i]);
+    if (dl.shape[i] != 0) overflow |= __builtin_mul_overflow(nonzero, dl.shape[i], &nonzero);
+  }
+  TANDEM_CHECK(!overflow,
+               "[tensor::from_dlpack] expected an element count that fits 64 bits, got "
+               "shape {}",
+               shape);
+  return shape;
+}
+
+// The strides of an imported tensor: its own, or contiguous when it has none.
+Dims import_strides(const DLTensor& dl, const Shape& shape) {
+  Dims strides = contiguous_strides(shape);
+  if (dl.strides != nullptr) {
+    for (int i = 0; i < dl.ndim; ++i) {
+      TANDEM_CHECK(dl.strides[i] >= 0,
+                   "[tensor::from_dlpack] expected non-negative strides, got {} in dim {} (shape "
+                   "{})",
+                   dl.strides[i], i, shape);
+      strides[i] = dl.strides[i];
+    }
+  }
+  return strides;
+}
+
+// Bytes from element 0 to one past the furthest element.
+int64_t measure_extent_bytes(const Shape& shape, const Dims& strides, int64_t elem,
+                             bool empty_tensor) {
+  bool overflow = false;
+  int64_t last = 0, nbytes = 0;
+  for (int i = 0; i < shape.size() && !empty_tensor; ++i) {
+    int64_t reach = 0;
+    overflow |= __builtin_mul_overflow(shape[i] - 1, strides[i], &reach);
+    overflow |= __builtin_add_overflow(last, reach, &last);
+  }
+  if (!empty_tensor) overflow |= __builtin_mul_overflow(last + 1, elem, &nbytes);
+  TANDEM_CHECK(!overflow,
+               "[tensor::from_dlpack] expected shape and strides whose extent in bytes fits 64 "
+               "bits, got shape {} strides {}",
+               shape, strides);
+  return nbytes;
+}
+
 }  // namespace
 
 DLManagedTensor* to_dlpack(const Tensor& t) {
@@ -179,48 +233,11 @@ Tensor from_dlpack(DLManagedTensor* src) {
   // Every product below is checked, so a hostile shape cannot overflow numel,
   // the strides or the extent later. The product of the non-zero extents
   // bounds every partial product numel() and contiguous_strides() form.
-  Shape shape;
-  int64_t nonzero = 1;
-  bool empty_tensor = false, overflow = false;
-  for (int i = 0; i < dl.ndim; ++i) {
-    TANDEM_CHECK(dl.shape[i] >= 0,
-                 "[tensor::from_dlpack] expected non-negative extents, got {} in dim {}",
-                 dl.shape[i], i);
-    shape.push_back(dl.shape[i]);
-    if (dl.shape[i] == 0) {
-      empty_tensor = true;
-    } else {
-      overflow |= __builtin_mul_overflow(nonzero, dl.shape[i], &nonzero);
-    }
-  }
-  TANDEM_CHECK(!overflow,
-               "[tensor::from_dlpack] expected an element count that fits 64 bits, got "
-               "shape {}",
-               shape);
-  Dims strides = contiguous_strides(shape);
-  if (dl.strides != nullptr) {
-    for (int i = 0; i < dl.ndim; ++i) {
-      TANDEM_CHECK(dl.strides[i] >= 0,
-                   "[tensor::from_dlpack] expected non-negative strides, got {} in dim {} (shape "
-                   "{})",
-                   dl.strides[i], i, shape);
-      strides[i] = dl.strides[i];
-    }
-  }
-
-  // Bytes from element 0 to one past the furthest element.
+  const Shape shape = import_shape(dl);
+  const bool empty_tensor = std::find(shape.begin(), shape.end(), 0) != shape.end();
+  const Dims strides = import_strides(dl, shape);
   const auto elem = static_cast<int64_t>(dtype_size(*dtype));
-  int64_t last = 0, nbytes = 0;
-  for (int i = 0; i < dl.ndim && !empty_tensor; ++i) {
-    int64_t reach = 0;
-    overflow |= __builtin_mul_overflow(shape[i] - 1, strides[i], &reach);
-    overflow |= __builtin_add_overflow(last, reach, &last);
-  }
-  if (!empty_tensor) overflow |= __builtin_mul_overflow(last + 1, elem, &nbytes);
-  TANDEM_CHECK(!overflow,
-               "[tensor::from_dlpack] expected shape and strides whose extent in bytes fits 64 "
-               "bits, got shape {} strides {}",
-               shape, strides);
+  const int64_t nbytes = measure_extent_bytes(shape, strides, elem, empty_tensor);
   TANDEM_CHECK(empty_tensor || dl.data != nullptr,
                "[tensor::from_dlpack] expected a data pointer for shape {}, got null", shape);
   // Integer arithmetic: an empty tensor may come with a null data pointer.

@@ -50,6 +50,90 @@ void apply_default_threads() {
   std::call_once(once, [] { openblas_set_num_threads(1); });
 }
 
+// The batch dims of `t`: all but the last two.
+Shape extract_batch_dims(const Tensor& t) {
+  Shape batch;
+  for (int i = 0; i < t.dim() - 2; ++i)
+    batch.push_back(t.shape()[i]);
+  return batch;
+}
+
+// `batch` followed by the matrix dims (rows, cols).
+Shape append_matrix_dims(Shape batch, int64_t rows, int64_t cols) {
+  batch.push_back(rows);
+  batch.push_back(cols);
+  return batch;
+}
+
+// One batch stride per operand, where the batch dims collapse to one.
+struct BatchStrides {
+  bool single = true;
+  int64_t a = 0, b = 0;
+};
+
+// Collapse the batch dims of both operands to one stride each if possible.
+BatchStrides collapse_batch(const Shape& batch, const MatrixOperand& ma, const MatrixOperand& mb) {
+  const int nb = batch.size();
+  BatchStrides s;
+  int64_t expect_a = -1, expect_b = -1;
+  for (int i = nb - 1; i >= 0; --i) {
+    if (batch[i] == 1) continue;
+    int64_t da = ma.t.strides()[i], db = mb.t.strides()[i];
+    if (expect_a < 0) {
+      s.a = da;
+      s.b = db;
+    } else if (da != expect_a || db != expect_b) {
+      s.single = false;
+      break;
+    }
+    expect_a = da * batch[i];
+    expect_b = db * batch[i];
+  }
+  return s;
+}
+
+// One GEMM call of `batch_count` products, its operands and output starting
+// at the given element offsets.
+void issue_gemm(const GemmArgs& g, int64_t batch_count, const MatrixOperand& ma,
+                const MatrixOperand& mb, const Tensor& out, int64_t a_off, int64_t b_off,
+                int64_t c_off) {
+  const size_t es = dtype_size(g.dtype);
+  GemmArgs call = g;
+  call.batch = batch_count;
+  call.a = static_cast<const char*>(ma.t.raw_data()) + a_off * static_cast<int64_t>(es);
+  call.b = static_cast<const char*>(mb.t.raw_data()) + b_off * static_cast<int64_t>(es);
+  call.c = static_cast<char*>(out.raw_data()) + c_off * static_cast<int64_t>(es);
+  dispatch(
+      out.device(), [=] { cpu::gemm(call); }, [=](void* s) { cuda::gemm(call, s); }, ma.t, mb.t,
+      out);
+}
+
+// The products of every batch element: one batched GEMM call when the batch
+// layout collapses, else one call per element.
+void issue_batch(GemmArgs g, const Shape& batch, const MatrixOperand& ma, const MatrixOperand& mb,
+                 const Tensor& out) {
+  const int nb = batch.size();
+  const int64_t count = batch.numel();
+  const BatchStrides strides = collapse_batch(batch, ma, mb);
+  if (strides.single) {
+    g.stride_a = strides.a;
+    g.stride_b = strides.b;
+    issue_gemm(g, count, ma, mb, out, 0, 0, 0);
+    return;
+  }
+  // Uncollapsible batch layout: one GEMM per batch element.
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t rem = i, a_off = 0, b_off = 0;
+    for (int d = nb - 1; d >= 0; --d) {
+      int64_t idx = rem % batch[d];
+      rem /= batch[d];
+      a_off += idx * ma.t.strides()[d];
+      b_off += idx * mb.t.strides()[d];
+    }
+    issue_gemm(g, 1, ma, mb, out, a_off, b_off, i * g.m * g.n);
+  }
+}
+
 }  // namespace
 
 void set_num_threads(int n) {
@@ -88,44 +172,11 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
                "[tensor::matmul] expected a.shape[-1] == b.shape[-2], got {} vs {} (a={}, b={})", k,
                b.shape()[b.dim() - 2], a_in.shape(), b_in.shape());
 
-  Shape a_batch, b_batch;
-  for (int i = 0; i < a.dim() - 2; ++i)
-    a_batch.push_back(a.shape()[i]);
-  for (int i = 0; i < b.dim() - 2; ++i)
-    b_batch.push_back(b.shape()[i]);
-  Shape batch = broadcast_shapes(a_batch, b_batch, "matmul");
-  Shape a_full = batch, b_full = batch, out_shape = batch;
-  a_full.push_back(m);
-  a_full.push_back(k);
-  b_full.push_back(k);
-  b_full.push_back(n);
-  out_shape.push_back(m);
-  out_shape.push_back(n);
-  MatrixOperand ma = as_matrix(expand(a, a_full));
-  MatrixOperand mb = as_matrix(expand(b, b_full));
-  Tensor out = empty(out_shape, dt, a.device());
+  Shape batch = broadcast_shapes(extract_batch_dims(a), extract_batch_dims(b), "matmul");
+  MatrixOperand ma = as_matrix(expand(a, append_matrix_dims(batch, m, k)));
+  MatrixOperand mb = as_matrix(expand(b, append_matrix_dims(batch, k, n)));
+  Tensor out = empty(append_matrix_dims(batch, m, n), dt, a.device());
 
-  // Collapse the batch dims of both operands to one stride each if possible.
-  const int nb = batch.size();
-  int64_t count = batch.numel();
-  int64_t sa = 0, sb = 0;
-  bool single = true;
-  {
-    int64_t expect_a = -1, expect_b = -1;
-    for (int i = nb - 1; i >= 0; --i) {
-      if (batch[i] == 1) continue;
-      int64_t da = ma.t.strides()[i], db = mb.t.strides()[i];
-      if (expect_a < 0) {
-        sa = da;
-        sb = db;
-      } else if (da != expect_a || db != expect_b) {
-        single = false;
-        break;
-      }
-      expect_a = da * batch[i];
-      expect_b = db * batch[i];
-    }
-  }
   GemmArgs g{};
   g.dtype = dt;
   g.m = m;
@@ -137,37 +188,10 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   g.trans_a = ma.trans;
   g.trans_b = mb.trans;
   g.stride_c = m * n;
-  const size_t es = dtype_size(dt);
-  auto issue = [&](int64_t batch_count, int64_t a_off, int64_t b_off, int64_t c_off) {
-    GemmArgs call = g;
-    call.batch = batch_count;
-    call.a = static_cast<const char*>(ma.t.raw_data()) + a_off * static_cast<int64_t>(es);
-    call.b = static_cast<const char*>(mb.t.raw_data()) + b_off * static_cast<int64_t>(es);
-    call.c = static_cast<char*>(out.raw_data()) + c_off * static_cast<int64_t>(es);
-    dispatch(
-        out.device(), [=] { cpu::gemm(call); }, [=](void* s) { cuda::gemm(call, s); }, ma.t, mb.t,
-        out);
-  };
   if (out.numel() > 0 && k == 0) {
     fill_(out, 0.0);  // an empty sum
   } else if (out.numel() > 0) {
-    if (single) {
-      g.stride_a = sa;
-      g.stride_b = sb;
-      issue(count, 0, 0, 0);
-    } else {
-      // Uncollapsible batch layout: one GEMM per batch element.
-      for (int64_t i = 0; i < count; ++i) {
-        int64_t rem = i, a_off = 0, b_off = 0;
-        for (int d = nb - 1; d >= 0; --d) {
-          int64_t idx = rem % batch[d];
-          rem /= batch[d];
-          a_off += idx * ma.t.strides()[d];
-          b_off += idx * mb.t.strides()[d];
-        }
-        issue(1, a_off, b_off, i * m * n);
-      }
-    }
+    issue_batch(g, batch, ma, mb, out);
   }
   if (a_vec) out = squeeze(out, -2);
   if (b_vec) out = squeeze(out, -1);

@@ -252,8 +252,9 @@ uint64_t json_size(const Json& v, const std::string& source, const std::string& 
   return u;
 }
 
-SafetensorsEntry parse_entry(const std::string& name, const Json& v, const std::string& source,
-                             DType& dtype) {
+// An entry is an object with exactly the fields "dtype", "shape" and
+// "data_offsets".
+void check_entry_fields(const std::string& name, const Json& v, const std::string& source) {
   TANDEM_CHECK(v.is_object(),
                "[tensor::load_safetensors] {}: tensor '{}': expected an object with \"dtype\", "
                "\"shape\" and \"data_offsets\", got {}",
@@ -270,10 +271,11 @@ SafetensorsEntry parse_entry(const std::string& name, const Json& v, const std::
                  "entry without it",
                  source, name, field);
   }
-  SafetensorsEntry e;
-  e.name = name;
+}
 
-  const Json& jdtype = v["dtype"];
+// The "dtype" of entry e, stored in e.dtype; returns tandem's dtype for it.
+DType parse_entry_dtype(const Json& jdtype, const std::string& source, SafetensorsEntry& e) {
+  const std::string& name = e.name;
   TANDEM_CHECK(jdtype.is_string(),
                "[tensor::load_safetensors] {}: tensor '{}': expected \"dtype\" to be a string, got "
                "{}",
@@ -282,9 +284,12 @@ SafetensorsEntry parse_entry(const std::string& name, const Json& v, const std::
   std::optional<DType> d = lookup_dtype(e.dtype);
   TANDEM_CHECK(d.has_value(), "[tensor::load_safetensors] {}: tensor '{}': {}", source, name,
                dtype_error(e.dtype));
-  dtype = *d;
+  return *d;
+}
 
-  const Json& jshape = v["shape"];
+// The "shape" of entry e, stored in e.shape; returns its element count.
+uint64_t parse_entry_shape(const Json& jshape, const std::string& source, SafetensorsEntry& e) {
+  const std::string& name = e.name;
   TANDEM_CHECK(jshape.is_array(),
                "[tensor::load_safetensors] {}: tensor '{}': expected \"shape\" to be an array, got "
                "{}",
@@ -310,14 +315,12 @@ SafetensorsEntry parse_entry(const std::string& name, const Json& v, const std::
         "count fits 64 bits, got {} (overflows)",
         source, name, jshape.dump());
   }
-  uint64_t numel = has_zero ? 0 : nonzero_product;
-  uint64_t nbytes = 0;
-  TANDEM_CHECK(!__builtin_mul_overflow(numel, dtype_size(dtype), &nbytes),
-               "[tensor::load_safetensors] {}: tensor '{}': expected a byte size that fits 64 "
-               "bits, got {} elements of {}",
-               source, name, numel, e.dtype);
+  return has_zero ? 0 : nonzero_product;
+}
 
-  const Json& joff = v["data_offsets"];
+// The "data_offsets" [begin, end] of entry e, stored in e.begin and e.end.
+void parse_data_offsets(const Json& joff, const std::string& source, SafetensorsEntry& e) {
+  const std::string& name = e.name;
   TANDEM_CHECK(joff.is_array() && joff.size() == 2,
                "[tensor::load_safetensors] {}: tensor '{}': expected \"data_offsets\" to be an "
                "array [begin, end], got {}",
@@ -328,6 +331,22 @@ SafetensorsEntry parse_entry(const std::string& name, const Json& v, const std::
                "[tensor::load_safetensors] {}: tensor '{}': expected data_offsets begin <= end, "
                "got [{}, {}]",
                source, name, e.begin, e.end);
+}
+
+SafetensorsEntry parse_entry(const std::string& name, const Json& v, const std::string& source,
+                             DType& dtype) {
+  check_entry_fields(name, v, source);
+  SafetensorsEntry e;
+  e.name = name;
+  dtype = parse_entry_dtype(v["dtype"], source, e);
+  const Json& jshape = v["shape"];
+  const uint64_t numel = parse_entry_shape(jshape, source, e);
+  uint64_t nbytes = 0;
+  TANDEM_CHECK(!__builtin_mul_overflow(numel, dtype_size(dtype), &nbytes),
+               "[tensor::load_safetensors] {}: tensor '{}': expected a byte size that fits 64 "
+               "bits, got {} elements of {}",
+               source, name, numel, e.dtype);
+  parse_data_offsets(v["data_offsets"], source, e);
   TANDEM_CHECK(e.end - e.begin == nbytes,
                "[tensor::load_safetensors] {}: tensor '{}': expected data_offsets to span {} bytes "
                "({} elements of shape {} x {} bytes), got [{}, {}] ({} bytes)",
@@ -363,11 +382,9 @@ void parse_metadata(const Json& v, const std::string& source, Layout& layout) {
   }
 }
 
-// Validates the header at `bytes` (the first min(size, 8 + header length)
-// bytes of a file of `file_size` bytes); `read_header` fetches the header.
-Layout parse_layout(const uint8_t* length_bytes, uint64_t file_size,
-                    const std::function<std::string(uint64_t)>& read_header,
-                    const std::string& source) {
+// The header length in the first 8 bytes of a file of `file_size` bytes.
+uint64_t decode_header_length(const uint8_t* length_bytes, uint64_t file_size,
+                              const std::string& source) {
   TANDEM_CHECK(file_size >= 8,
                "[tensor::load_safetensors] {}: expected at least 8 bytes (the header length), got "
                "{} (the file is truncated)",
@@ -383,6 +400,13 @@ Layout parse_layout(const uint8_t* length_bytes, uint64_t file_size,
                "[tensor::load_safetensors] {}: expected a header length within the file ({} bytes "
                "after the length), got {} (the file is truncated or not safetensors)",
                source, file_size - 8, n);
+  return n;
+}
+
+// The n bytes of the header, through `read_header`, checked to be text that
+// can hold a JSON object.
+std::string read_header_text(uint64_t n, const std::function<std::string(uint64_t)>& read_header,
+                             const std::string& source) {
   std::string text = read_header(n);
   TANDEM_CHECK(!text.empty() && text[0] == '{',
                "[tensor::load_safetensors] {}: expected the header to start with '{{', got {}",
@@ -397,26 +421,12 @@ Layout parse_layout(const uint8_t* length_bytes, uint64_t file_size,
                "[tensor::load_safetensors] {}: expected a JSON header without NUL bytes, got one "
                "at header byte {}",
                source, nul);
+  return text;
+}
 
-  Layout layout;
-  layout.data_start = 8 + n;
-  std::vector<std::string> top_keys;
-  Json json = parse_json(text.data(), text.size(), source, top_keys);
-  TANDEM_CHECK(json.is_object(), "[tensor::load_safetensors] {}: expected a JSON object, got {}",
-               source, json.type_name());
-  for (const std::string& key : top_keys) {
-    const Json& v = json[key];
-    if (key == kMetadataKey) {
-      parse_metadata(v, source, layout);
-    } else {
-      DType dtype = DType::F32;
-      layout.entries.push_back(parse_entry(key, v, source, dtype));
-      layout.dtypes.push_back(dtype);
-    }
-  }
-
-  // The tensors must tile the data section: sorted by offset, each begins where
-  // the previous ended, and the last ends at the end of the file.
+// The tensors must tile the data section: sorted by offset, each begins where
+// the previous ended, and the last ends at the end of the file.
+void check_tiling(const Layout& layout, uint64_t file_size, const std::string& source) {
   std::vector<const SafetensorsEntry*> sorted;
   for (const SafetensorsEntry& e : layout.entries)
     sorted.push_back(&e);
@@ -448,6 +458,33 @@ Layout parse_layout(const uint8_t* length_bytes, uint64_t file_size,
                "[tensor::load_safetensors] {}: expected a data section of {} bytes (the tensors' "
                "data_offsets), got {} ({} bytes no tensor covers at the end)",
                source, expected, data_size, data_size - expected);
+}
+
+// Validates the header at `bytes` (the first min(size, 8 + header length)
+// bytes of a file of `file_size` bytes); `read_header` fetches the header.
+Layout parse_layout(const uint8_t* length_bytes, uint64_t file_size,
+                    const std::function<std::string(uint64_t)>& read_header,
+                    const std::string& source) {
+  const uint64_t n = decode_header_length(length_bytes, file_size, source);
+  std::string text = read_header_text(n, read_header, source);
+
+  Layout layout;
+  layout.data_start = 8 + n;
+  std::vector<std::string> top_keys;
+  Json json = parse_json(text.data(), text.size(), source, top_keys);
+  TANDEM_CHECK(json.is_object(), "[tensor::load_safetensors] {}: expected a JSON object, got {}",
+               source, json.type_name());
+  for (const std::string& key : top_keys) {
+    const Json& v = json[key];
+    if (key == kMetadataKey) {
+      parse_metadata(v, source, layout);
+    } else {
+      DType dtype = DType::F32;
+      layout.entries.push_back(parse_entry(key, v, source, dtype));
+      layout.dtypes.push_back(dtype);
+    }
+  }
+  check_tiling(layout, file_size, source);
   return layout;
 }
 
@@ -561,12 +598,9 @@ class VectorSink {
   std::vector<uint8_t> bytes;
 };
 
-// Writes the file to `sink` (FileWriter or VectorSink). Note [Safetensors checksum]:
-// the checksum precedes the data it covers, so the header is written with a
-// placeholder, the data streamed through the CRC one tensor at a time (no
-// second host copy of the model), and the eight digits patched in at the end.
-template <class Sink>
-void write_safetensors(Sink& sink, const std::vector<std::pair<std::string, Tensor>>& tensors,
+// Names unique and other than the metadata key, tensors defined, and no
+// checksum key in the caller's metadata.
+void check_save_inputs(const std::vector<std::pair<std::string, Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata) {
   std::unordered_map<std::string, size_t> seen;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -589,14 +623,22 @@ void write_safetensors(Sink& sink, const std::vector<std::pair<std::string, Tens
                "[tensor::save_safetensors] expected metadata without the reserved key \"{}\" "
                "(tandem writes it), got it",
                kChecksumKey);
+}
 
-  // Data order: decreasing element size, so every tensor is aligned to its own.
+// Data order: decreasing element size, so every tensor is aligned to its own.
+std::vector<size_t> order_by_alignment(const std::vector<std::pair<std::string, Tensor>>& tensors) {
   std::vector<size_t> order(tensors.size());
   for (size_t i = 0; i < order.size(); ++i)
     order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     return tensors[a].second.element_size() > tensors[b].second.element_size();
   });
+  return order;
+}
+
+// The entries in the caller's order, their data laid out in `order`.
+std::vector<SafetensorsEntry> plan_entries(
+    const std::vector<std::pair<std::string, Tensor>>& tensors, const std::vector<size_t>& order) {
   std::vector<SafetensorsEntry> entries(tensors.size());
   uint64_t offset = 0;
   for (size_t i : order) {
@@ -609,7 +651,18 @@ void write_safetensors(Sink& sink, const std::vector<std::pair<std::string, Tens
     e.end = offset + t.nbytes();
     offset = e.end;
   }
+  return entries;
+}
 
+// The header up to the checksum's digits.
+std::string format_checksum_prefix() {
+  return fmt::format("{{\"{}\":{{\"{}\":\"", kMetadataKey, kChecksumKey);
+}
+
+// The header's JSON text, padded to a multiple of 8 bytes, with a placeholder
+// for the checksum right after format_checksum_prefix().
+std::string format_header(const std::vector<SafetensorsEntry>& entries,
+                          const std::map<std::string, std::string>& metadata) {
   // Header: metadata first with the checksum first, so the placeholder sits at
   // a known position; then the tensors in the caller's order.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
@@ -627,10 +680,24 @@ void write_safetensors(Sink& sink, const std::vector<std::pair<std::string, Tens
     TANDEM_FAIL("[tensor::save_safetensors] expected tensor names and metadata in UTF-8, got {}",
                 ex.what());
   }
-  const std::string prefix = fmt::format("{{\"{}\":{{\"{}\":\"", kMetadataKey, kChecksumKey);
+  const std::string prefix = format_checksum_prefix();
   TANDEM_INTERNAL_ASSERT(text.compare(0, prefix.size(), prefix) == 0, "header starts with {}",
                          prefix);
   text.append((8 - text.size() % 8) % 8, ' ');
+  return text;
+}
+
+// Writes the file to `sink` (FileWriter or VectorSink). Note [Safetensors checksum]:
+// the checksum precedes the data it covers, so the header is written with a
+// placeholder, the data streamed through the CRC one tensor at a time (no
+// second host copy of the model), and the eight digits patched in at the end.
+template <class Sink>
+void write_safetensors(Sink& sink, const std::vector<std::pair<std::string, Tensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  check_save_inputs(tensors, metadata);
+  const std::vector<size_t> order = order_by_alignment(tensors);
+  const std::vector<SafetensorsEntry> entries = plan_entries(tensors, order);
+  const std::string text = format_header(entries, metadata);
   uint8_t length[8];
   for (int i = 0; i < 8; ++i)
     length[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
@@ -650,7 +717,7 @@ void write_safetensors(Sink& sink, const std::vector<std::pair<std::string, Tens
     crc = crc32c(host.raw_data(), host.nbytes(), crc);
   }
   std::string digits = fmt::format("{:08x}", crc);
-  sink.write_at(8 + prefix.size(), digits.data(), digits.size());
+  sink.write_at(8 + format_checksum_prefix().size(), digits.data(), digits.size());
 }
 
 }  // namespace

@@ -340,6 +340,143 @@ void attention_forward(const AttentionArgs& args, const TensorArg& q, const Tens
 
 // ---- backward ----
 
+// Per-thread scratch of a backward task: K^T, V^T and K packed for one kv
+// head, its dK and dV accumulators, and for one block of query rows P, dS,
+// the packed Q and dO, and a tile's dQ.
+template <class T>
+struct BackwardScratch {
+  T* kt;
+  T* vt;
+  T* kr;
+  T* dka;
+  T* dva;
+  T* p;
+  T* ds;
+  T* qblk;
+  T* doblk;
+  T* dqt;
+};
+
+template <class T>
+BackwardScratch<T> reserve_backward_scratch(const Geometry& g) {
+  thread_local std::vector<T> kt_buf, vt_buf, k_buf, dk_buf, dv_buf, p_buf, ds_buf, qb_buf, dob_buf,
+      dqt_buf;
+  BackwardScratch<T> s;
+  s.kt = scratch(kt_buf, g.D * g.Skp);
+  s.vt = scratch(vt_buf, g.D * g.Skp);
+  s.kr = scratch(k_buf, g.Skp * g.Dp);
+  s.dka = scratch(dk_buf, g.Skp * g.Dp);
+  s.dva = scratch(dv_buf, g.Skp * g.Dp);
+  s.p = scratch(p_buf, kBlockQ * g.Skp);
+  s.ds = scratch(ds_buf, kBlockQ * g.Skp);
+  s.qblk = scratch(qb_buf, kBlockQ * g.Dp);
+  s.doblk = scratch(dob_buf, kBlockQ * g.Dp);
+  s.dqt = scratch(dqt_buf, kTile * g.Dp);
+  return s;
+}
+
+// One query head of a backward task: its (S, D) operands and their row
+// strides, and its lse row.
+template <class T>
+struct QueryHead {
+  const T* q;
+  const T* o;
+  const T* dout;
+  T* dq;
+  const float* lse;
+  int64_t q_s, o_s, do_s, dq_s;
+};
+
+// Query row i: prow holds its scores S and dsrow its dP on entry; on return
+// prow = P = exp(scale * S - lse) and dsrow = dS = P * (dP - delta) * scale,
+// both zero past the row's visible keys up to kv_pad.
+template <class T>
+void backprop_softmax_row(const Geometry& g, T scale, const QueryHead<T>& h, int64_t i,
+                          int64_t kv_pad, T* prow, T* dsrow) {
+  const int64_t n = g.visible(i);
+  const float l = h.lse[i];
+  if (n == 0 || !std::isfinite(l)) {  // no visible key: P = 0
+    std::fill(prow, prow + kv_pad, T(0));
+    std::fill(dsrow, dsrow + kv_pad, T(0));
+    return;
+  }
+  exp_row(prow, n, kv_pad, scale, static_cast<T>(l));
+  // delta = rowsum(dO * O) = rowsum(P * dP) for this row's output.
+  const T* orow = h.o + i * h.o_s;
+  const T* dorow = h.dout + i * h.do_s;
+  T delta = 0;
+  for (int64_t d = 0; d < g.D; ++d)
+    delta += dorow[d] * orow[d];
+  for (int64_t j = 0; j < n; ++j)
+    dsrow[j] = prow[j] * (dsrow[j] - delta) * scale;
+  std::fill(dsrow + n, dsrow + kv_pad, T(0));
+}
+
+// The tile of tr query rows at row r0 of the block at i0: its rows of P and
+// dS (kept in s.p and s.ds for dK and dV), and its dQ, written out.
+template <class T>
+void backprop_tile(const Geometry& g, T scale, const QueryHead<T>& h, const BackwardScratch<T>& s,
+                   int64_t i0, int64_t r0, int64_t tr, int64_t kv_pad) {
+  const int64_t tile_end = g.visible(i0 + r0 + tr - 1);
+  const int64_t tile_pad = round_up(tile_end, kWidth<T>);
+  T* pt = s.p + r0 * g.Skp;
+  T* dst = s.ds + r0 * g.Skp;
+  if (tile_end > 0) {
+    // S = Q K^T, dP = dO V^T for the tile's visible keys.
+    gemm_small(tr, tile_pad, g.D, s.qblk + r0 * g.Dp, g.Dp, 1, s.kt, g.Skp, pt, g.Skp, false);
+    gemm_small(tr, tile_pad, g.D, s.doblk + r0 * g.Dp, g.Dp, 1, s.vt, g.Skp, dst, g.Skp, false);
+  }
+  for (int64_t r = 0; r < tr; ++r)
+    backprop_softmax_row(g, scale, h, i0 + r0 + r, kv_pad, pt + r * g.Skp, dst + r * g.Skp);
+  // dQ = dS K for the tile.
+  if (tile_end > 0) {
+    gemm_small(tr, g.Dp, tile_end, dst, g.Skp, 1, s.kr, g.Dp, s.dqt, g.Dp, false);
+  } else {
+    std::fill(s.dqt, s.dqt + tr * g.Dp, T(0));
+  }
+  for (int64_t r = 0; r < tr; ++r) {
+    std::copy(s.dqt + r * g.Dp, s.dqt + r * g.Dp + g.D, h.dq + (i0 + r0 + r) * h.dq_s);
+  }
+}
+
+// dV += P^T dO and dK += dS^T Q over the block's rows (`rows` from i0); a tile
+// of keys only needs the rows that can see its first key.
+template <class T>
+void accumulate_dkv(const Geometry& g, const BackwardScratch<T>& s, int64_t i0, int64_t rows,
+                    int64_t kv_pad) {
+  for (int64_t j0 = 0; j0 < kv_pad; j0 += kTile) {
+    const int64_t tj = std::min(kTile, kv_pad - j0);
+    const int64_t r_start =
+        g.causal ? std::clamp<int64_t>(j0 + g.k_offset - g.q_offset - i0, 0, rows) : 0;
+    const int64_t kk = rows - r_start;
+    if (kk == 0) continue;
+    gemm_small(tj, g.Dp, kk, s.p + r_start * g.Skp + j0, 1, g.Skp, s.doblk + r_start * g.Dp, g.Dp,
+               s.dva + j0 * g.Dp, g.Dp, true);
+    gemm_small(tj, g.Dp, kk, s.ds + r_start * g.Skp + j0, 1, g.Skp, s.qblk + r_start * g.Dp, g.Dp,
+               s.dka + j0 * g.Dp, g.Dp, true);
+  }
+}
+
+// The block of query rows at i0 of one query head: its dQ, and its terms of
+// the kv head's dK and dV.
+template <class T>
+void backprop_block(const Geometry& g, T scale, const QueryHead<T>& h, const BackwardScratch<T>& s,
+                    int64_t i0) {
+  const int64_t rows = std::min(kBlockQ, g.Sq - i0);
+  const int64_t kv_end = g.visible(i0 + rows - 1);
+  if (kv_end == 0) {  // no row of the block sees a key
+    for (int64_t r = 0; r < rows; ++r)
+      std::fill(h.dq + (i0 + r) * h.dq_s, h.dq + (i0 + r) * h.dq_s + g.D, T(0));
+    return;
+  }
+  const int64_t kv_pad = round_up(kv_end, kWidth<T>);
+  pack_rows(h.q + i0 * h.q_s, h.q_s, rows, g, s.qblk);
+  pack_rows(h.dout + i0 * h.do_s, h.do_s, rows, g, s.doblk);
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile)
+    backprop_tile(g, scale, h, s, i0, r0, std::min(kTile, rows - r0), kv_pad);
+  accumulate_dkv(g, s, i0, rows, kv_pad);
+}
+
 template <class T>
 void attention_backward(const AttentionArgs& args, const TensorArg& q, const TensorArg& k,
                         const TensorArg& v, const TensorArg& out, const TensorArg& lse,
@@ -360,109 +497,35 @@ void attention_backward(const AttentionArgs& args, const TensorArg& q, const Ten
   T* dkp = static_cast<T*>(dk.data);
   T* dvp = static_cast<T*>(dv.data);
   parallel_for(g.B * g.Hkv, 1, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<T> kt_buf, vt_buf, k_buf, dk_buf, dv_buf, p_buf, ds_buf, qb_buf,
-        dob_buf, dqt_buf;
-    T* kt = scratch(kt_buf, g.D * g.Skp);
-    T* vt = scratch(vt_buf, g.D * g.Skp);
-    T* kr = scratch(k_buf, g.Skp * g.Dp);
-    T* dka = scratch(dk_buf, g.Skp * g.Dp);
-    T* dva = scratch(dv_buf, g.Skp * g.Dp);
-    T* p = scratch(p_buf, kBlockQ * g.Skp);
-    T* ds = scratch(ds_buf, kBlockQ * g.Skp);
-    T* qblk = scratch(qb_buf, kBlockQ * g.Dp);
-    T* doblk = scratch(dob_buf, kBlockQ * g.Dp);
-    T* dqt = scratch(dqt_buf, kTile * g.Dp);
+    const BackwardScratch<T> s = reserve_backward_scratch<T>(g);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / g.Hkv, hkv = t % g.Hkv;
       const T* kh = kp + b * lk.b + hkv * lk.h;
       const T* vh = vp + b * lv.b + hkv * lv.h;
-      pack_transposed(kh, lk.s, g, kt);
-      pack_transposed(vh, lv.s, g, vt);
-      pack_rows(kh, lk.s, g.Sk, g, kr);
-      std::fill(kr + g.Sk * g.Dp, kr + g.Skp * g.Dp, T(0));
-      std::fill(dka, dka + g.Skp * g.Dp, T(0));
-      std::fill(dva, dva + g.Skp * g.Dp, T(0));
+      pack_transposed(kh, lk.s, g, s.kt);
+      pack_transposed(vh, lv.s, g, s.vt);
+      pack_rows(kh, lk.s, g.Sk, g, s.kr);
+      std::fill(s.kr + g.Sk * g.Dp, s.kr + g.Skp * g.Dp, T(0));
+      std::fill(s.dka, s.dka + g.Skp * g.Dp, T(0));
+      std::fill(s.dva, s.dva + g.Skp * g.Dp, T(0));
       for (int64_t h = hkv * g.G; h < (hkv + 1) * g.G; ++h) {
-        const T* qh = qp + b * lq.b + h * lq.h;
-        const T* oh = op + b * lo.b + h * lo.h;
-        const T* doh = dop + b * ldo.b + h * ldo.h;
-        T* dqh = dqp + b * ldq.b + h * ldq.h;
-        const float* lse_h = lse_p + (b * g.Hq + h) * g.Sq;
-        for (int64_t i0 = 0; i0 < g.Sq; i0 += kBlockQ) {
-          const int64_t rows = std::min(kBlockQ, g.Sq - i0);
-          const int64_t kv_end = g.visible(i0 + rows - 1);
-          if (kv_end == 0) {  // no row of the block sees a key
-            for (int64_t r = 0; r < rows; ++r)
-              std::fill(dqh + (i0 + r) * ldq.s, dqh + (i0 + r) * ldq.s + g.D, T(0));
-            continue;
-          }
-          const int64_t kv_pad = round_up(kv_end, kWidth<T>);
-          pack_rows(qh + i0 * lq.s, lq.s, rows, g, qblk);
-          pack_rows(doh + i0 * ldo.s, ldo.s, rows, g, doblk);
-          for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-            const int64_t tr = std::min(kTile, rows - r0);
-            const int64_t tile_end = g.visible(i0 + r0 + tr - 1);
-            const int64_t tile_pad = round_up(tile_end, kWidth<T>);
-            T* pt = p + r0 * g.Skp;
-            T* dst = ds + r0 * g.Skp;
-            if (tile_end > 0) {
-              // S = Q K^T, dP = dO V^T for the tile's visible keys.
-              gemm_small(tr, tile_pad, g.D, qblk + r0 * g.Dp, g.Dp, 1, kt, g.Skp, pt, g.Skp, false);
-              gemm_small(tr, tile_pad, g.D, doblk + r0 * g.Dp, g.Dp, 1, vt, g.Skp, dst, g.Skp,
-                         false);
-            }
-            for (int64_t r = 0; r < tr; ++r) {
-              const int64_t i = i0 + r0 + r;
-              T* prow = pt + r * g.Skp;
-              T* dsrow = dst + r * g.Skp;
-              const int64_t n = g.visible(i);
-              const float l = lse_h[i];
-              if (n == 0 || !std::isfinite(l)) {  // no visible key: P = 0
-                std::fill(prow, prow + kv_pad, T(0));
-                std::fill(dsrow, dsrow + kv_pad, T(0));
-                continue;
-              }
-              exp_row(prow, n, kv_pad, scale, static_cast<T>(l));
-              // delta = rowsum(dO * O) = rowsum(P * dP) for this row's output.
-              const T* orow = oh + i * lo.s;
-              const T* dorow = doh + i * ldo.s;
-              T delta = 0;
-              for (int64_t d = 0; d < g.D; ++d)
-                delta += dorow[d] * orow[d];
-              for (int64_t j = 0; j < n; ++j)
-                dsrow[j] = prow[j] * (dsrow[j] - delta) * scale;
-              std::fill(dsrow + n, dsrow + kv_pad, T(0));
-            }
-            // dQ = dS K for the tile.
-            if (tile_end > 0) {
-              gemm_small(tr, g.Dp, tile_end, dst, g.Skp, 1, kr, g.Dp, dqt, g.Dp, false);
-            } else {
-              std::fill(dqt, dqt + tr * g.Dp, T(0));
-            }
-            for (int64_t r = 0; r < tr; ++r) {
-              std::copy(dqt + r * g.Dp, dqt + r * g.Dp + g.D, dqh + (i0 + r0 + r) * ldq.s);
-            }
-          }
-          // dV += P^T dO and dK += dS^T Q over the block's rows; a tile of
-          // keys only needs the rows that can see its first key.
-          for (int64_t j0 = 0; j0 < kv_pad; j0 += kTile) {
-            const int64_t tj = std::min(kTile, kv_pad - j0);
-            const int64_t r_start =
-                g.causal ? std::clamp<int64_t>(j0 + g.k_offset - g.q_offset - i0, 0, rows) : 0;
-            const int64_t kk = rows - r_start;
-            if (kk == 0) continue;
-            gemm_small(tj, g.Dp, kk, p + r_start * g.Skp + j0, 1, g.Skp, doblk + r_start * g.Dp,
-                       g.Dp, dva + j0 * g.Dp, g.Dp, true);
-            gemm_small(tj, g.Dp, kk, ds + r_start * g.Skp + j0, 1, g.Skp, qblk + r_start * g.Dp,
-                       g.Dp, dka + j0 * g.Dp, g.Dp, true);
-          }
-        }
+        const QueryHead<T> head{.q = qp + b * lq.b + h * lq.h,
+                                .o = op + b * lo.b + h * lo.h,
+                                .dout = dop + b * ldo.b + h * ldo.h,
+                                .dq = dqp + b * ldq.b + h * ldq.h,
+                                .lse = lse_p + (b * g.Hq + h) * g.Sq,
+                                .q_s = lq.s,
+                                .o_s = lo.s,
+                                .do_s = ldo.s,
+                                .dq_s = ldq.s};
+        for (int64_t i0 = 0; i0 < g.Sq; i0 += kBlockQ)
+          backprop_block(g, scale, head, s, i0);
       }
       T* dkh = dkp + b * ldk.b + hkv * ldk.h;
       T* dvh = dvp + b * ldv.b + hkv * ldv.h;
       for (int64_t j = 0; j < g.Sk; ++j) {
-        std::copy(dka + j * g.Dp, dka + j * g.Dp + g.D, dkh + j * ldk.s);
-        std::copy(dva + j * g.Dp, dva + j * g.Dp + g.D, dvh + j * ldv.s);
+        std::copy(s.dka + j * g.Dp, s.dka + j * g.Dp + g.D, dkh + j * ldk.s);
+        std::copy(s.dva + j * g.Dp, s.dva + j * g.Dp + g.D, dvh + j * ldv.s);
       }
     }
   });

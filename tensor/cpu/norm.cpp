@@ -74,6 +74,67 @@ int64_t row_grain(int64_t d) {
   return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(d, 1));
 }
 
+// What the rows of a norm backward read and write (Note [Fused norm backward]).
+template <class T, class A>
+struct BackwardRows {
+  const T* x;
+  const T* dy;
+  T* dx;
+  const float* mean;  // null: rms_norm
+  const float* rstd;
+  const A* w;  // the weight, or ones when there is none
+  int64_t d;
+  int64_t dv;  // d rounded down to the SIMD width
+  A inv_d;
+  bool want_w, want_b;
+};
+
+// Row r of a norm backward: adds its dweight and dbias terms to the block's
+// column partials pw and pb, and writes its dx.
+template <class T, class A>
+void backprop_row(const BackwardRows<T, A>& a, int64_t r, A* pw, A* pb) {
+  constexpr int64_t W = simd::kWidth<A>;
+  const int64_t d = a.d, dv = a.dv;
+  const A inv_d = a.inv_d;
+  const bool want_w = a.want_w, want_b = a.want_b;
+  const A* wp = a.w;
+  const T* xr = a.x + r * d;
+  const T* gr = a.dy + r * d;
+  T* dxr = a.dx + r * d;
+  const A mu = a.mean != nullptr ? static_cast<A>(a.mean[r]) : A(0);
+  const A rs = static_cast<A>(a.rstd[r]);
+  // Pass 1: row sums of gw and gw * xhat, and the column partials.
+  const A s1 = a.mean == nullptr
+                   ? A(0)
+                   : cascade_sum<A>(d, [&](int64_t j) { return static_cast<A>(gr[j]) * wp[j]; });
+  const A s2 = cascade_sum<A>(d, [&](int64_t j) {
+    return static_cast<A>(gr[j]) * wp[j] * ((static_cast<A>(xr[j]) - mu) * rs);
+  });
+  for (int64_t j = 0; j < dv; j += W) {
+    const Vec<A> g = load_as<A>(gr + j);
+    if (want_w) simd::store(pw + j, simd::load(pw + j) + g * ((load_as<A>(xr + j) - mu) * rs));
+    if (want_b) simd::store(pb + j, simd::load(pb + j) + g);
+  }
+  for (int64_t j = dv; j < d; ++j) {
+    const A g = static_cast<A>(gr[j]);
+    if (want_w) pw[j] += g * ((static_cast<A>(xr[j]) - mu) * rs);
+    if (want_b) pb[j] += g;
+  }
+  const A m1 = s1 * inv_d;
+  const A m2 = s2 * inv_d;
+  // Pass 2: dx.
+  for (int64_t j = 0; j < dv; j += W) {
+    const Vec<A> xh = (load_as<A>(xr + j) - mu) * rs;
+    const Vec<A> gw = load_as<A>(gr + j) * simd::load(wp + j);
+    store_as<A>(dxr + j, (gw - m1 - xh * m2) * rs);
+  }
+  for (int64_t j = dv; j < d; ++j) {
+    const A xh = (static_cast<A>(xr[j]) - mu) * rs;
+    const A gw = static_cast<A>(gr[j]) * wp[j];
+    dxr[j] = static_cast<T>((gw - m1 - xh * m2) * rs);
+  }
+}
+
 }  // namespace
 
 void layer_norm(const TensorArg& x, const TensorArg& weight, const TensorArg& bias, double eps,
@@ -151,15 +212,8 @@ void norm_backward(const TensorArg& dy, const TensorArg& x, const TensorArg& wei
     using T = typename decltype(tag)::type;
     using A = acc_t<T>;
     constexpr int64_t W = simd::kWidth<A>;
-    const T* xp = static_cast<const T*>(x.data);
-    const T* gp = static_cast<const T*>(dy.data);
-    T* dxp = static_cast<T*>(dx.data);
-    const float* mean_p = static_cast<const float*>(mean.data);  // null: rms_norm
-    const float* rstd_p = static_cast<const float*>(rstd.data);
     const std::vector<A> w = param_as<A, T>(weight, d);
     const bool want_w = dweight.data != nullptr, want_b = dbias.data != nullptr;
-    const A inv_d = d > 0 ? A(1) / static_cast<A>(d) : A(0);
-    const int64_t dv = d / W * W;
     const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
     // Tasks of per_group row blocks (Note [Cascade summation]).
     const int64_t per_group = blocks_per_group(blocks, kMaxGroups);
@@ -169,7 +223,18 @@ void norm_backward(const TensorArg& dy, const TensorArg& x, const TensorArg& wei
     std::vector<A> partial(static_cast<size_t>(groups * stride), A(0));
     std::vector<A> ones;
     if (w.empty()) ones.assign(static_cast<size_t>(d), A(1));
-    const A* wp = w.empty() ? ones.data() : w.data();
+    BackwardRows<T, A> args{};
+    args.x = static_cast<const T*>(x.data);
+    args.dy = static_cast<const T*>(dy.data);
+    args.dx = static_cast<T*>(dx.data);
+    args.mean = static_cast<const float*>(mean.data);
+    args.rstd = static_cast<const float*>(rstd.data);
+    args.w = w.empty() ? ones.data() : w.data();
+    args.d = d;
+    args.dv = d / W * W;
+    args.inv_d = d > 0 ? A(1) / static_cast<A>(d) : A(0);
+    args.want_w = want_w;
+    args.want_b = want_b;
     const int64_t grain = std::max<int64_t>(1, row_grain(d) / (kRowBlock * per_group));
     parallel_for(groups, grain, [&](int64_t g0, int64_t g1) {
       std::vector<A> block(static_cast<size_t>(stride));
@@ -181,44 +246,8 @@ void norm_backward(const TensorArg& dy, const TensorArg& x, const TensorArg& wei
           A* pw = block.data();
           A* pb = pw + (want_w ? d : 0);
           const int64_t r_end = std::min(rows, (blk + 1) * kRowBlock);
-          for (int64_t r = blk * kRowBlock; r < r_end; ++r) {
-            const T* xr = xp + r * d;
-            const T* gr = gp + r * d;
-            T* dxr = dxp + r * d;
-            const A mu = mean_p != nullptr ? static_cast<A>(mean_p[r]) : A(0);
-            const A rs = static_cast<A>(rstd_p[r]);
-            // Pass 1: row sums of gw and gw * xhat, and the column partials.
-            const A s1 = mean_p == nullptr ? A(0) : cascade_sum<A>(d, [&](int64_t j) {
-              return static_cast<A>(gr[j]) * wp[j];
-            });
-            const A s2 = cascade_sum<A>(d, [&](int64_t j) {
-              return static_cast<A>(gr[j]) * wp[j] * ((static_cast<A>(xr[j]) - mu) * rs);
-            });
-            for (int64_t j = 0; j < dv; j += W) {
-              const Vec<A> g = load_as<A>(gr + j);
-              if (want_w)
-                simd::store(pw + j, simd::load(pw + j) + g * ((load_as<A>(xr + j) - mu) * rs));
-              if (want_b) simd::store(pb + j, simd::load(pb + j) + g);
-            }
-            for (int64_t j = dv; j < d; ++j) {
-              const A g = static_cast<A>(gr[j]);
-              if (want_w) pw[j] += g * ((static_cast<A>(xr[j]) - mu) * rs);
-              if (want_b) pb[j] += g;
-            }
-            const A m1 = s1 * inv_d;
-            const A m2 = s2 * inv_d;
-            // Pass 2: dx.
-            for (int64_t j = 0; j < dv; j += W) {
-              const Vec<A> xh = (load_as<A>(xr + j) - mu) * rs;
-              const Vec<A> gw = load_as<A>(gr + j) * simd::load(wp + j);
-              store_as<A>(dxr + j, (gw - m1 - xh * m2) * rs);
-            }
-            for (int64_t j = dv; j < d; ++j) {
-              const A xh = (static_cast<A>(xr[j]) - mu) * rs;
-              const A gw = static_cast<A>(gr[j]) * wp[j];
-              dxr[j] = static_cast<T>((gw - m1 - xh * m2) * rs);
-            }
-          }
+          for (int64_t r = blk * kRowBlock; r < r_end; ++r)
+            backprop_row(args, r, pw, pb);
           columns.add(block.data());
         }
         columns.total(partial.data() + grp * stride);
