@@ -1,152 +1,21 @@
-// Redistribution between placement lists: planning (a short list of steps,
-// cached per (shape, from, to, mesh shape)) and execution, differentiable per
-// Note [Redistribute gradients].
-//
-// The planner works in three phases, which keep nested shards (several mesh
-// dims sharding one tensor dim) in their canonical order — outer mesh dims
-// split first:
-//   1. from the last mesh dim to the first, a Shard that must change is
-//      gathered (all_gather) or, when nothing else shards either tensor dim,
-//      moved to its new dim directly (all_to_all);
-//   2. a Partial that must change is reduce-scattered into its target Shard
-//      when that is its final place, else all-reduced to Replicate;
-//   3. from the first mesh dim to the last, a Replicate becomes its target
-//      Shard (a local chunk) or Partial (no communication).
+// Redistribution between placement lists: the execution of the plans that
+// redistribute_plan.cpp makes, differentiable per Note [Redistribute
+// gradients], and its asynchronous form for single-collective plans.
 #include <fmt/ranges.h>
-
-#include <map>
-#include <mutex>
 
 #include "autograd/function.h"
 #include "parallel/dtensor.h"
+#include "parallel/redistribute_plan.h"
 #include "runtime/error.h"
-#include "runtime/logging.h"
 #include "tensor/ops.h"
 
 namespace tandem {
+
+using redistribute_detail::apply_step;
+using redistribute_detail::cached_plan;
+using redistribute_detail::Step;
+
 namespace {
-
-struct Step {
-  enum class Kind : uint8_t { AllGather, AllReduce, ReduceScatter, AllToAll, Chunk, MakePartial };
-  Kind kind;
-  int mesh_dim;
-  int64_t dim = 0;   // tensor dim (AllToAll: the source shard dim)
-  int64_t dim2 = 0;  // AllToAll: the target shard dim
-  RedOp op = RedOp::Sum;
-
-  std::string str() const {
-    static const char* names[] = {"all_gather", "all_reduce", "reduce_scatter",
-                                  "all_to_all", "chunk",      "make_partial"};
-    std::string s = fmt::format("{}(mesh dim {}", names[static_cast<int>(kind)], mesh_dim);
-    if (kind == Kind::AllToAll) s += fmt::format(", dim {} -> {}", dim, dim2);
-    if (kind == Kind::AllGather || kind == Kind::ReduceScatter || kind == Kind::Chunk) {
-      s += fmt::format(", dim {}", dim);
-    }
-    if (kind == Kind::AllReduce || kind == Kind::ReduceScatter || kind == Kind::MakePartial) {
-      s += fmt::format(", {}", red_op_name(op));
-    }
-    return s + ")";
-  }
-};
-
-bool shards_elsewhere(const Placements& p, int except, int64_t d) {
-  for (int m = 0; m < static_cast<int>(p.size()); ++m) {
-    if (m != except && p[m].is_shard(d)) return true;
-  }
-  return false;
-}
-
-std::vector<Step> make_plan(const Placements& from, const Placements& to) {
-  const int n = static_cast<int>(from.size());
-  Placements cur = from;
-  std::vector<Step> steps;
-  // Shards that keep their place but sit inside a shard that will be newly
-  // made at an outer mesh dim must be gathered first (canonical nesting).
-  // Likewise an inner shard of a dim whose outer shard is about to change.
-  std::vector<bool> regather(static_cast<size_t>(n), false);
-  for (int m2 = 0; m2 < n; ++m2) {
-    if (!cur[m2].is_shard()) continue;
-    for (int m = 0; m < m2; ++m) {
-      if (cur[m] == to[m]) continue;
-      if (to[m].is_shard(cur[m2].dim) || cur[m].is_shard(cur[m2].dim)) regather[m2] = true;
-    }
-  }
-  for (int m = n - 1; m >= 0; --m) {
-    if (!cur[m].is_shard() || (cur[m] == to[m] && !regather[m])) continue;
-    const int64_t d = cur[m].dim;
-    if (to[m].is_shard() && to[m].dim != d && !regather[m] && !shards_elsewhere(cur, m, d) &&
-        !shards_elsewhere(cur, m, to[m].dim) && !shards_elsewhere(to, m, to[m].dim)) {
-      steps.push_back({Step::Kind::AllToAll, m, d, to[m].dim});
-      cur[m] = to[m];
-    } else {
-      steps.push_back({Step::Kind::AllGather, m, d});
-      cur[m] = Replicate();
-    }
-  }
-  for (int m = 0; m < n; ++m) {
-    if (!cur[m].is_partial() || cur[m] == to[m]) continue;
-    TANDEM_CHECK(!to[m].is_partial(),
-                 "[parallel::redistribute] expected Partial({}) to become Replicate or Shard, got "
-                 "{} on mesh dim {} (partial ops cannot be converted)",
-                 red_op_name(cur[m].op), to[m].str(), m);
-    // A reduce-scatter makes the shard at this level now: only valid when no
-    // inner mesh dim shards that tensor dim yet and every outer one that will
-    // shard it already does (canonical nesting); else all-reduce, chunk later.
-    bool nesting_ok = to[m].is_shard();
-    for (int m2 = 0; m2 < n && nesting_ok; ++m2) {
-      if (m2 > m && cur[m2].is_shard(to[m].dim)) nesting_ok = false;
-      if (m2 < m && to[m2].is_shard(to[m].dim) && cur[m2] != to[m2]) nesting_ok = false;
-    }
-    if (nesting_ok && cur[m].op != RedOp::Avg) {
-      steps.push_back({Step::Kind::ReduceScatter, m, to[m].dim, 0, cur[m].op});
-      cur[m] = to[m];
-    } else {
-      steps.push_back({Step::Kind::AllReduce, m, 0, 0, cur[m].op});
-      cur[m] = Replicate();
-    }
-  }
-  for (int m = 0; m < n; ++m) {
-    if (cur[m] == to[m]) continue;
-    TANDEM_INTERNAL_ASSERT(cur[m].is_replicate(), "planner left {} on mesh dim {}", cur[m].str(),
-                           m);
-    if (to[m].is_shard()) {
-      steps.push_back({Step::Kind::Chunk, m, to[m].dim});
-    } else {
-      steps.push_back({Step::Kind::MakePartial, m, 0, 0, to[m].op});
-    }
-    cur[m] = to[m];
-  }
-  return steps;
-}
-
-// A compact key: kind, dim and op of every placement, from then to.
-std::string plan_key(const Placements& from, const Placements& to) {
-  std::string key;
-  key.reserve(3 * (from.size() + to.size()) + 1);
-  for (const Placements* list : {&from, &to}) {
-    for (const Placement& p : *list) {
-      key += static_cast<char>('0' + static_cast<int>(p.kind));
-      key += static_cast<char>(p.is_shard() ? 'a' + p.dim : 'a');
-      key += static_cast<char>('0' + static_cast<int>(p.op));
-    }
-    key += '|';
-  }
-  return key;
-}
-
-const std::vector<Step>& cached_plan(const Placements& from, const Placements& to) {
-  static std::mutex mu;
-  static std::map<std::string, std::vector<Step>> cache;
-  std::string key = plan_key(from, to);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it == cache.end()) {
-    it = cache.emplace(key, make_plan(from, to)).first;
-    log_debug("[parallel::redistribute] plan {} -> {}: {} steps", placements_str(from),
-              placements_str(to), it->second.size());
-  }
-  return it->second;
-}
 
 // Extent of tensor dim d at mesh level m: the global extent cut by the shards
 // of mesh dims before m (this rank's coordinates).
@@ -173,6 +42,60 @@ struct Launched {
   WorkPtr work;
   std::function<Tensor(const Tensor&)> finish;  // applied to work->result()
 };
+
+// The AllToAll step over `group` (k ranks, this one at `me`); full_d is the
+// extent of the source shard dim at this mesh level.
+Launched launch_all_to_all(const Step& s, const Tensor& x, int64_t full_d,
+                           const ProcessGroupPtr& group, int64_t k, int64_t me) {
+  // Shard(d) -> Shard(d2): each peer's slice of d2 is packed once into the
+  // send buffer, in the tensor's own layout; the pieces that come back
+  // (the senders' blocks of d, this rank's slice of d2) are joined along
+  // d in source order, which for d == 0 is the received buffer itself.
+  const int64_t d = s.dim, d2 = s.dim2;
+  const int64_t full2 = x.shape()[d2];
+  const int64_t my_rows = chunk_range(full2, k, me).second;
+  // Elements per index of d2 (here), and per (d, d2) index pair: from the
+  // shape, since a rank may hold an empty block.
+  int64_t per_d = 1;
+  for (int i = 0; i < x.dim(); ++i) {
+    if (i != d && i != d2) per_d *= x.shape()[i];
+  }
+  const int64_t slab = per_d * x.shape()[d];
+  Tensor send = empty(Shape{x.numel()}, x.dtype(), x.device());
+  std::vector<int64_t> in_splits, out_splits;
+  int64_t offset = 0;
+  for (int64_t r = 0; r < k; ++r) {
+    auto [start, len] = chunk_range(full2, k, r);
+    Shape piece = x.shape();
+    piece[d2] = len;
+    const int64_t n = len * slab;
+    if (n > 0)
+      ops::copy_(ops::reshape(ops::narrow(send, 0, offset, n), piece),
+                 ops::narrow(x, d2, start, len));
+    in_splits.push_back(n);
+    offset += n;
+    out_splits.push_back(my_rows * chunk_range(full_d, k, r).second * per_d);
+  }
+  WorkPtr w = group->all_to_all_single(send, {in_splits, out_splits, "redistribute"});
+  Shape shape = x.shape();
+  shape[d2] = my_rows;
+  return {w, [=](const Tensor& flat) {
+            if (d == 0) {
+              Shape whole = shape;
+              whole[0] = full_d;
+              return ops::reshape(flat, whole);
+            }
+            std::vector<Tensor> parts;
+            int64_t at = 0;
+            for (int64_t r = 0; r < k; ++r) {
+              Shape piece = shape;
+              piece[d] = chunk_range(full_d, k, r).second;
+              parts.push_back(ops::reshape(ops::narrow(flat, 0, at, out_splits[r]), piece));
+              at += out_splits[r];
+            }
+            return ops::cat(parts, d);
+          }};
+}
 
 Launched launch_step(const Step& s, const Tensor& x, const Shape& global, const Placements& cur,
                      const DeviceMesh& mesh) {
@@ -201,57 +124,8 @@ Launched launch_step(const Step& s, const Tensor& x, const Shape& global, const 
       const int64_t len = chunk_range(extent, k, me).second, d = s.dim;
       return {w, [d, len](const Tensor& y) { return ops::contiguous(ops::narrow(y, d, 0, len)); }};
     }
-    case Step::Kind::AllToAll: {
-      // Shard(d) -> Shard(d2): each peer's slice of d2 is packed once into the
-      // send buffer, in the tensor's own layout; the pieces that come back
-      // (the senders' blocks of d, this rank's slice of d2) are joined along
-      // d in source order, which for d == 0 is the received buffer itself.
-      const int64_t d = s.dim, d2 = s.dim2;
-      const int64_t full2 = x.shape()[d2];
-      const int64_t full_d = extent_at(global, cur, mesh, s.mesh_dim, d);
-      const int64_t my_rows = chunk_range(full2, k, me).second;
-      // Elements per index of d2 (here), and per (d, d2) index pair: from the
-      // shape, since a rank may hold an empty block.
-      int64_t per_d = 1;
-      for (int i = 0; i < x.dim(); ++i) {
-        if (i != d && i != d2) per_d *= x.shape()[i];
-      }
-      const int64_t slab = per_d * x.shape()[d];
-      Tensor send = empty(Shape{x.numel()}, x.dtype(), x.device());
-      std::vector<int64_t> in_splits, out_splits;
-      int64_t offset = 0;
-      for (int64_t r = 0; r < k; ++r) {
-        auto [start, len] = chunk_range(full2, k, r);
-        Shape piece = x.shape();
-        piece[d2] = len;
-        const int64_t n = len * slab;
-        if (n > 0)
-          ops::copy_(ops::reshape(ops::narrow(send, 0, offset, n), piece),
-                     ops::narrow(x, d2, start, len));
-        in_splits.push_back(n);
-        offset += n;
-        out_splits.push_back(my_rows * chunk_range(full_d, k, r).second * per_d);
-      }
-      WorkPtr w = group->all_to_all_single(send, {in_splits, out_splits, "redistribute"});
-      Shape shape = x.shape();
-      shape[d2] = my_rows;
-      return {w, [=](const Tensor& flat) {
-                if (d == 0) {
-                  Shape whole = shape;
-                  whole[0] = full_d;
-                  return ops::reshape(flat, whole);
-                }
-                std::vector<Tensor> parts;
-                int64_t at = 0;
-                for (int64_t r = 0; r < k; ++r) {
-                  Shape piece = shape;
-                  piece[d] = chunk_range(full_d, k, r).second;
-                  parts.push_back(ops::reshape(ops::narrow(flat, 0, at, out_splits[r]), piece));
-                  at += out_splits[r];
-                }
-                return ops::cat(parts, d);
-              }};
-    }
+    case Step::Kind::AllToAll:
+      return launch_all_to_all(s, x, extent_at(global, cur, mesh, s.mesh_dim, s.dim), group, k, me);
     default:
       TANDEM_INTERNAL_ASSERT(false, "not a communication step");
   }
@@ -271,26 +145,6 @@ Tensor run_step(const Step& s, const Tensor& x, const Shape& global, const Place
   Launched l = launch_step(s, x, global, cur, mesh);
   l.work->wait();
   return l.finish(l.work->result());
-}
-
-Placements apply_step(Placements cur, const Step& s) {
-  switch (s.kind) {
-    case Step::Kind::AllGather:
-    case Step::Kind::AllReduce:
-      cur[s.mesh_dim] = Replicate();
-      break;
-    case Step::Kind::ReduceScatter:
-    case Step::Kind::Chunk:
-      cur[s.mesh_dim] = Shard(s.dim);
-      break;
-    case Step::Kind::AllToAll:
-      cur[s.mesh_dim] = Shard(s.dim2);
-      break;
-    case Step::Kind::MakePartial:
-      cur[s.mesh_dim] = Partial(s.op);
-      break;
-  }
-  return cur;
 }
 
 Tensor execute(const Tensor& local, const Shape& global, const Placements& from,
@@ -360,16 +214,6 @@ DTensor DTensor::redistribute(const Placements& placements) const {
 
 Tensor DTensor::full_tensor() const {
   return redistribute(Placements(static_cast<size_t>(mesh_.ndim()), Replicate())).to_local();
-}
-
-std::vector<std::string> redistribute_plan(const Shape& global, const Placements& from,
-                                           const Placements& to, const DeviceMesh& mesh) {
-  std::vector<std::string> out;
-  for (const Step& s : cached_plan(from, to))
-    out.push_back(s.str());
-  (void)global;
-  (void)mesh;
-  return out;
 }
 
 PendingDTensor::PendingDTensor(DTensor source, Placements target)

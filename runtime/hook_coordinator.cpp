@@ -40,6 +40,15 @@ std::string hook_args(const HookInfo& hook) {
                      json_escape(hook.name), hook.layer, hook.backward, hook.micro_batch);
 }
 
+// A call made during a checkpoint re-run is a no-op (Note [Hook coordinator], "Recompute").
+void trace_recompute_skip(const char* event, HookRole role, const HookInfo& hook) {
+  if (trace_enabled()) {
+    trace_instant(
+        kCategory, event,
+        fmt::format(R"({},"role":"{}","skipped":"recompute")", hook_args(hook), to_string(role)));
+  }
+}
+
 const char* rendezvous_call(HookRole role) {
   return role == HookRole::Comm ? "rendezvous(Comm)" : "rendezvous(Compute)";
 }
@@ -188,11 +197,7 @@ HookCoordinator::WaitResult HookCoordinator::wait_locked(std::unique_lock<std::m
 void HookCoordinator::rendezvous(HookRole next, const HookInfo& hook) {
   const char* call = rendezvous_call(next);
   if (thread_is_recomputing()) {
-    if (trace_enabled()) {
-      trace_instant(
-          kCategory, "rendezvous",
-          fmt::format(R"({},"role":"{}","skipped":"recompute")", hook_args(hook), to_string(next)));
-    }
+    trace_recompute_skip("rendezvous", next, hook);
     return;
   }
   Clock::time_point start = Clock::now();
@@ -207,47 +212,17 @@ void HookCoordinator::rendezvous(HookRole next, const HookInfo& hook) {
   record_call_locked(side, call, hook);
   const int64_t window = window_;
 
-  if (me.declared == HookRole::Comm && me.dispatched_round < me.comm_round) {
-    raise_fault_locked(
-        side,
-        fmt::format("[runtime::hook_coordinator::rendezvous] expected "
-                    "notify_dispatched(Comm) for the collective the {} thread "
-                    "announced at round {} before its next rendezvous, got {} at "
-                    "{}. Last calls: {}. The window is closed.",
-                    side_name(side), me.comm_round, call, to_string(hook), describe_locked()),
-        "role error", /*timeout=*/false);
-  }
+  check_dispatched_locked(side, call, hook);
   if (side == kBackward && !gate_open_) {
     gate_open_ = true;
     cv_.notify_all();
   }
 
-  auto run_solo = [&] {
-    me.declared.reset();
-    me.dispatched_round = me.comm_round;  // nobody waits on this thread's latch
-    me.state = State::Running;
-    lock.unlock();
-    if (trace_enabled()) {
-      trace_instant(kCategory, "rendezvous",
-                    fmt::format(R"({},"role":"{}","window":{},"skipped":"solo")", hook_args(hook),
-                                to_string(next), window));
-    }
-  };
-  if (partner.departed) return run_solo();
+  if (partner.departed) return run_solo_locked(lock, side, next, hook, window);
 
   if (side == kForward && options_.recompute_gate && !me.gate_passed) {
-    Clock::time_point gate_start = Clock::now();
-    if (wait_locked(lock, side, State::AtGate, call, window,
-                    [&] { return gate_open_ || partner.departed; }) == WaitResult::Closed) {
-      return;
-    }
-    me.gate_passed = true;
-    if (trace_enabled()) {
-      trace_instant(kCategory, "gate",
-                    fmt::format(R"({},"window":{},"wait_us":{})", hook_args(hook), window,
-                                micros_since(gate_start)));
-    }
-    if (partner.departed) return run_solo();
+    if (pass_gate_locked(lock, side, call, hook, window) == WaitResult::Closed) return;
+    if (partner.departed) return run_solo_locked(lock, side, next, hook, window);
   }
 
   // A Comm side creates its fresh latch before the barrier: the round it is
@@ -255,35 +230,16 @@ void HookCoordinator::rendezvous(HookRole next, const HookInfo& hook) {
   if (next == HookRole::Comm) me.comm_round = rounds_ + 1;
   int64_t round;
   if (!barrier_waiting_) {
-    barrier_waiting_ = true;
-    barrier_side_ = side;
-    barrier_role_ = next;
     round = rounds_ + 1;
-    if (wait_locked(lock, side, State::AtBarrier, call, window,
-                    [&] { return rounds_ >= round || partner.departed; }) == WaitResult::Closed) {
+    if (wait_at_barrier_locked(lock, side, next, call, window, round) == WaitResult::Closed) {
       return;
     }
     if (rounds_ < round) {  // the partner departed while this side waited
       barrier_waiting_ = false;
-      return run_solo();
+      return run_solo_locked(lock, side, next, hook, window);
     }
   } else {
-    TANDEM_INTERNAL_ASSERT(barrier_side_ != side, "one side arrived twice at round {}",
-                           rounds_ + 1);
-    if (barrier_role_ == next) {
-      const HookInfo& other = *partner.last_hook;
-      raise_fault_locked(
-          side,
-          fmt::format("[runtime::hook_coordinator::rendezvous] expected one Comm and one Compute "
-                      "at a rendezvous, got {} from both: forward at {}, backward at {} (window "
-                      "{}, round {}). The window is closed.",
-                      to_string(next), to_string(side == kForward ? hook : other),
-                      to_string(side == kForward ? other : hook), window, rounds_ + 1),
-          "role error", /*timeout=*/false);
-    }
-    barrier_waiting_ = false;
-    round = ++rounds_;
-    cv_.notify_all();
+    round = complete_round_locked(side, next, hook, window);
   }
   me.declared = next;
 
@@ -303,14 +259,96 @@ void HookCoordinator::rendezvous(HookRole next, const HookInfo& hook) {
   }
 }
 
+// A Comm side must have notified its last collective before it meets the
+// partner again (Note [Hook coordinator], "Checks").
+void HookCoordinator::check_dispatched_locked(int side, const char* call, const HookInfo& hook) {
+  const Participant& me = sides_[side];
+  if (me.declared == HookRole::Comm && me.dispatched_round < me.comm_round) {
+    raise_fault_locked(
+        side,
+        fmt::format("[runtime::hook_coordinator::rendezvous] expected "
+                    "notify_dispatched(Comm) for the collective the {} thread "
+                    "announced at round {} before its next rendezvous, got {} at "
+                    "{}. Last calls: {}. The window is closed.",
+                    side_name(side), me.comm_round, call, to_string(hook), describe_locked()),
+        "role error", /*timeout=*/false);
+  }
+}
+
+// Note [Hook coordinator], "Forward gate".
+HookCoordinator::WaitResult HookCoordinator::pass_gate_locked(std::unique_lock<std::mutex>& lock,
+                                                              int side, const char* call,
+                                                              const HookInfo& hook,
+                                                              int64_t window) {
+  Participant& me = sides_[side];
+  const Participant& partner = sides_[1 - side];
+  Clock::time_point gate_start = Clock::now();
+  if (wait_locked(lock, side, State::AtGate, call, window,
+                  [&] { return gate_open_ || partner.departed; }) == WaitResult::Closed) {
+    return WaitResult::Closed;
+  }
+  me.gate_passed = true;
+  if (trace_enabled()) {
+    trace_instant(kCategory, "gate",
+                  fmt::format(R"({},"window":{},"wait_us":{})", hook_args(hook), window,
+                              micros_since(gate_start)));
+  }
+  return WaitResult::Ready;
+}
+
+// The first side at a round waits there until the second completes it (or
+// departs, or the window closes).
+HookCoordinator::WaitResult HookCoordinator::wait_at_barrier_locked(
+    std::unique_lock<std::mutex>& lock, int side, HookRole next, const char* call, int64_t window,
+    int64_t round) {
+  const Participant& partner = sides_[1 - side];
+  barrier_waiting_ = true;
+  barrier_side_ = side;
+  barrier_role_ = next;
+  return wait_locked(lock, side, State::AtBarrier, call, window,
+                     [&] { return rounds_ >= round || partner.departed; });
+}
+
+// The second side at a round checks the roles and completes it.
+int64_t HookCoordinator::complete_round_locked(int side, HookRole next, const HookInfo& hook,
+                                               int64_t window) {
+  const Participant& partner = sides_[1 - side];
+  TANDEM_INTERNAL_ASSERT(barrier_side_ != side, "one side arrived twice at round {}", rounds_ + 1);
+  if (barrier_role_ == next) {
+    const HookInfo& other = *partner.last_hook;
+    raise_fault_locked(
+        side,
+        fmt::format("[runtime::hook_coordinator::rendezvous] expected one Comm and one Compute "
+                    "at a rendezvous, got {} from both: forward at {}, backward at {} (window "
+                    "{}, round {}). The window is closed.",
+                    to_string(next), to_string(side == kForward ? hook : other),
+                    to_string(side == kForward ? other : hook), window, rounds_ + 1),
+        "role error", /*timeout=*/false);
+  }
+  barrier_waiting_ = false;
+  const int64_t round = ++rounds_;
+  cv_.notify_all();
+  return round;
+}
+
+void HookCoordinator::run_solo_locked(std::unique_lock<std::mutex>& lock, int side, HookRole next,
+                                      const HookInfo& hook, int64_t window) {
+  Participant& me = sides_[side];
+  me.declared.reset();
+  me.dispatched_round = me.comm_round;  // nobody waits on this thread's latch
+  me.state = State::Running;
+  lock.unlock();
+  if (trace_enabled()) {
+    trace_instant(kCategory, "rendezvous",
+                  fmt::format(R"({},"role":"{}","window":{},"skipped":"solo")", hook_args(hook),
+                              to_string(next), window));
+  }
+}
+
 void HookCoordinator::notify_dispatched(HookRole prev, const HookInfo& hook) {
   const char* call = notify_call(prev);
   if (thread_is_recomputing()) {
-    if (trace_enabled()) {
-      trace_instant(
-          kCategory, "notify_dispatched",
-          fmt::format(R"({},"role":"{}","skipped":"recompute")", hook_args(hook), to_string(prev)));
-    }
+    trace_recompute_skip("notify_dispatched", prev, hook);
     return;
   }
   std::unique_lock<std::mutex> lock(mu_);

@@ -177,6 +177,16 @@ class HookCoordinator {
 
   int identify_locked(const HookInfo& hook, const char* call);
   void record_call_locked(int side, const char* call, const HookInfo& hook);
+  // The steps of rendezvous(), in the order it takes them (Note [Hook coordinator]).
+  void check_dispatched_locked(int side, const char* call, const HookInfo& hook);
+  WaitResult pass_gate_locked(std::unique_lock<std::mutex>& lock, int side, const char* call,
+                              const HookInfo& hook, int64_t window);
+  WaitResult wait_at_barrier_locked(std::unique_lock<std::mutex>& lock, int side, HookRole next,
+                                    const char* call, int64_t window, int64_t round);
+  int64_t complete_round_locked(int side, HookRole next, const HookInfo& hook, int64_t window);
+  // Releases the lock: the partner departed, so this side goes on alone.
+  void run_solo_locked(std::unique_lock<std::mutex>& lock, int side, HookRole next,
+                       const HookInfo& hook, int64_t window);
   // Throws the fault's error once to a participant that did not cause it.
   void deliver_fault_locked();
   [[noreturn]] void raise_fault_locked(int side, std::string message, const char* kind,

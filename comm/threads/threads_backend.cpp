@@ -496,70 +496,88 @@ class ThreadsProcessGroup final : public ProcessGroup {
     }
   }
 
+  // (peer, received) of each send of a batch.
+  using SentFlags = std::vector<std::pair<int, std::shared_ptr<std::atomic<bool>>>>;
+
   void run_p2p(Collective& c) {
-    SharedGroup& g = *shared_;
-    std::vector<std::pair<int, std::shared_ptr<std::atomic<bool>>>> sent;  // (peer, received)
-    {
-      std::lock_guard<std::mutex> lock(g.mu);
-      std::string who = fmt::format("rank {} at #{} p2p", rank(), c.entry.seq);
-      if (g.aborted.load()) g.throw_aborted(who);
-      for (const P2POp& op : c.p2p) {
-        if (g.exited(op.peer)) g.throw_exited(who, op.peer);
-      }
-      for (const P2POp& op : c.p2p) {
-        if (op.kind != P2POp::Kind::Send) continue;
-        auto flag = std::make_shared<std::atomic<bool>>(false);
-        LedgerEntry e = c.entry;
-        e.dtype = dtype_name(op.tensor.dtype());
-        e.counts = op.tensor.shape().vec();
-        g.mail[{rank(), op.peer, op.tag_id}].push_back(Message{op.tensor, e, flag});
-        sent.emplace_back(op.peer, flag);
-      }
-      g.cv.notify_all();
-    }
+    SentFlags sent = post_sends(c);
     size_t recv_index = 0;
     for (const P2POp& op : c.p2p) {
       if (op.kind != P2POp::Kind::Recv) continue;
-      const Tensor& out = c.p2p_outputs[recv_index++];
-      std::unique_lock<std::mutex> lock(g.mu);
-      auto& box = g.mail[{op.peer, rank(), op.tag_id}];
-      auto ready = [&] { return !box.empty() || g.aborted.load() || g.exited(op.peer); };
-      if (!g.cv.wait_for(lock, timeout(), ready)) {
-        std::string report = fmt::format(
-            "[comm::watchdog] {} waited {} ms in #{} recv from rank {} (tag {}) and nothing "
-            "came. Last collectives of this rank:\n{}",
-            where(), timeout().count(), c.entry.seq, op.peer, op.tag_id, ledger().tail_str(8));
-        g.abort_locked(fmt::format("rank {} timed out in #{} recv from rank {}", rank(),
-                                   c.entry.seq, op.peer));
-        log_error("{}", report);
-        throw TimeoutError(report);
-      }
-      if (box.empty()) {
-        std::string who = fmt::format("rank {} at #{} recv", rank(), c.entry.seq);
-        if (g.aborted.load()) g.throw_aborted(who);
-        g.throw_exited(who, op.peer);  // an exited rank's sends were all received
-      }
-      Message m = std::move(box.front());
-      box.pop_front();
-      lock.unlock();
-      if (m.data.shape() != out.shape() || m.data.dtype() != out.dtype() ||
-          m.data.device() != out.device()) {
-        m.consumed->store(true);
-        {
-          std::lock_guard<std::mutex> relock(g.mu);  // no lost wake-up of the sender
-          g.cv.notify_all();
-        }
-        TANDEM_FAIL(
-            "[comm::recv] {}: rank {} sent {} {} on {} but rank {} expected {} {} on {} (tag {})",
-            where(), op.peer, dtype_name(m.data.dtype()), m.data.shape(), m.data.device(), rank(),
-            dtype_name(out.dtype()), out.shape(), out.device(), op.tag_id);
-      }
-      move_bytes(out.device(), out.raw_data(), m.data.raw_data(), out.nbytes());
-      m.consumed->store(true);
-      std::lock_guard<std::mutex> relock(g.mu);
-      g.cv.notify_all();
+      receive(c, op, c.p2p_outputs[recv_index++]);
     }
-    // Sends complete once received (the input may be reused afterwards).
+    wait_sends_received(c, sent);
+  }
+
+  // Puts every send of the batch in its peer's mailbox, after checking that
+  // the group and the peers are still there.
+  SentFlags post_sends(const Collective& c) {
+    SharedGroup& g = *shared_;
+    SentFlags sent;
+    std::lock_guard<std::mutex> lock(g.mu);
+    std::string who = fmt::format("rank {} at #{} p2p", rank(), c.entry.seq);
+    if (g.aborted.load()) g.throw_aborted(who);
+    for (const P2POp& op : c.p2p) {
+      if (g.exited(op.peer)) g.throw_exited(who, op.peer);
+    }
+    for (const P2POp& op : c.p2p) {
+      if (op.kind != P2POp::Kind::Send) continue;
+      auto flag = std::make_shared<std::atomic<bool>>(false);
+      LedgerEntry e = c.entry;
+      e.dtype = dtype_name(op.tensor.dtype());
+      e.counts = op.tensor.shape().vec();
+      g.mail[{rank(), op.peer, op.tag_id}].push_back(Message{op.tensor, e, flag});
+      sent.emplace_back(op.peer, flag);
+    }
+    g.cv.notify_all();
+    return sent;
+  }
+
+  // Waits for the peer's message of one recv and copies it into `out`.
+  void receive(const Collective& c, const P2POp& op, const Tensor& out) {
+    SharedGroup& g = *shared_;
+    std::unique_lock<std::mutex> lock(g.mu);
+    auto& box = g.mail[{op.peer, rank(), op.tag_id}];
+    auto ready = [&] { return !box.empty() || g.aborted.load() || g.exited(op.peer); };
+    if (!g.cv.wait_for(lock, timeout(), ready)) {
+      std::string report = fmt::format(
+          "[comm::watchdog] {} waited {} ms in #{} recv from rank {} (tag {}) and nothing "
+          "came. Last collectives of this rank:\n{}",
+          where(), timeout().count(), c.entry.seq, op.peer, op.tag_id, ledger().tail_str(8));
+      g.abort_locked(
+          fmt::format("rank {} timed out in #{} recv from rank {}", rank(), c.entry.seq, op.peer));
+      log_error("{}", report);
+      throw TimeoutError(report);
+    }
+    if (box.empty()) {
+      std::string who = fmt::format("rank {} at #{} recv", rank(), c.entry.seq);
+      if (g.aborted.load()) g.throw_aborted(who);
+      g.throw_exited(who, op.peer);  // an exited rank's sends were all received
+    }
+    Message m = std::move(box.front());
+    box.pop_front();
+    lock.unlock();
+    if (m.data.shape() != out.shape() || m.data.dtype() != out.dtype() ||
+        m.data.device() != out.device()) {
+      m.consumed->store(true);
+      {
+        std::lock_guard<std::mutex> relock(g.mu);  // no lost wake-up of the sender
+        g.cv.notify_all();
+      }
+      TANDEM_FAIL(
+          "[comm::recv] {}: rank {} sent {} {} on {} but rank {} expected {} {} on {} (tag {})",
+          where(), op.peer, dtype_name(m.data.dtype()), m.data.shape(), m.data.device(), rank(),
+          dtype_name(out.dtype()), out.shape(), out.device(), op.tag_id);
+    }
+    move_bytes(out.device(), out.raw_data(), m.data.raw_data(), out.nbytes());
+    m.consumed->store(true);
+    std::lock_guard<std::mutex> relock(g.mu);
+    g.cv.notify_all();
+  }
+
+  // Sends complete once received (the input may be reused afterwards).
+  void wait_sends_received(const Collective& c, SentFlags& sent) {
+    SharedGroup& g = *shared_;
     std::unique_lock<std::mutex> lock(g.mu);
     for (auto& [peer, flag] : sent) {
       // Named captures: clang 14 (the fuzz build) cannot capture structured bindings.
