@@ -41,9 +41,10 @@
 // several rounds of messages (and a large one many fragments), and each needs
 // a test call on the sending and on the receiving side. Progress therefore
 // has to be continuous while a collective runs, or every round waits for the
-// next poll: with the executor thread sleeping 5-50 us between idle passes
-// (the timer slack makes that at least ~50 us), a 1 MiB all_gather took 10x
-// the time of the same MPI call made directly.
+// next poll: with the executor thread sleeping between idle passes (and the
+// timer slack lengthening each sleep), a 1 MiB all_gather took many times as
+// long as the same MPI call made directly (README, benchmark section,
+// "Measurements behind design choices").
 // - While some thread waits on a Work of this backend (synchronize(), wait()
 //   on an inline stream, or the stream thread of an asynchronous one), that
 //   thread runs passes back to back, yielding its core between idle passes,
@@ -58,9 +59,9 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Waking the executor thread at every launch cost more than the hand-off it
 // replaced: on a loaded machine the woken thread preempted the launching one
-// and took the progress lock just before that thread came to wait (a 4 KiB
-// all_gather of 4 processes on 2 cores: 60 us with the wake-up, 20 us
-// without; the MPI call made directly: 10 us). So while launches are waited
+// and took the progress lock just before that thread came to wait, which
+// tripled a small all_gather's time (README, benchmark section,
+// "Measurements behind design choices"). So while launches are waited
 // right away (the last waited Work was waited within kSyncWindow of its
 // launch), a launch whose Work drives its own progress does not wake the
 // executor thread; the waiter takes the task in its first pass. The executor

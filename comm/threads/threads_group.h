@@ -55,9 +55,10 @@ void futex_wake_all(std::atomic<uint32_t>& word);
 // suite's 2), what a waiter needs is usually done by a runnable peer on its
 // own core, and a yield hands the core to it at once, while a sleeper that
 // is woken waits for the peer's time slice to end (tens of microseconds, or
-// a whole slice). 8 yields measured 1.3-1.6x faster than 2 on 4 KiB-4 MiB
-// all_gathers of 4 ranks on 2 cores; 16 or a bound of 20-50 us of yields
-// were no better, and pause loops were worse. (With a comm thread per rank,
+// a whole slice). 8 yields beat 2 on all_gathers of 4 ranks on 2 cores, and
+// neither more yields, a time bound on them nor pause loops did better (the
+// README's benchmark section, "Measurements behind design choices", has the
+// figures). (With a comm thread per rank,
 // as before Note [Threads rounds], long spinning was slower: the spinners
 // then handed the core to each other instead of to the late rank.)
 constexpr int kSpinYields = 8;

@@ -13,11 +13,10 @@ namespace tandem::cpu {
 // glibc's memcpy picks its loop by size from cache sizes it reads at start-up.
 // On AMD it stops using `rep movsb` above the core's L2 size and copies with
 // a loop of vector moves until its non-temporal threshold (glibc 2.33-2.39,
-// Debian 12's 2.36 included). On the Zen 5 machines the suite runs on, that
-// loop is the slower one: two threads copying 1 MiB pieces between buffers
-// that fit in L3 moved 123 GB/s with memcpy and 152 GB/s with `rep movsb`,
-// and 4 MiB pieces out of cache 48 vs 63 GB/s; at 768 KiB pieces the two
-// were equal and below that memcpy was faster. So from kRepMovsbFrom bytes
+// Debian 12's 2.36 included). On AMD Zen CPUs that loop is the slower one
+// for pieces of about a megabyte and more, in cache and out of it, while
+// below that memcpy is faster (the measurements are in the README's
+// benchmark section, "Measurements behind design choices"). So from kRepMovsbFrom bytes
 // up, on AMD Zen CPUs (family 19h and later) with ERMS, copy_bytes() issues
 // `rep movsb` itself; elsewhere and below that it is std::memcpy. Used where
 // tandem copies large blocks: contiguous tensor copies and the pieces and
