@@ -1,0 +1,47 @@
+// What the files of context parallelism share (context_parallel.h has the
+// public side): cp_layout.cpp's layout helpers, used by the Ulysses /
+// all-gather KV hooks (context_parallel.cpp) and the async hooks
+// (cp_async.cpp), and the ring attention of cp_ring.cpp, called by the
+// kernel that context_parallel.cpp installs. Private to parallel/; not
+// installed.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "autograd/module.h"
+#include "comm/process_group.h"
+#include "parallel/context_parallel.h"
+#include "tensor/ops.h"
+#include "tensor/tensor.h"
+
+namespace tandem::cp_detail {
+
+// The q, k and v slots of the attention arguments (named slots take
+// precedence over positions); throws when one is missing.
+std::vector<Tensor*> qkv_slots(Args& args, const ContextParallel& cp);
+
+// Replicates KV heads so that `degree` divides them (GQA with fewer KV heads
+// than the Ulysses degree); the expand's backward sums the copies.
+Tensor replicate_heads(const Tensor& t, int64_t head_dim, int64_t degree);
+
+// Per-rank sums of `lengths` over groups of `ds` adjacent ranks.
+std::vector<int64_t> block_sums(const std::vector<int64_t>& lengths, int ds);
+
+// The lengths of the ds block (of adjacent ranks) that `rank` belongs to.
+std::vector<int64_t> ds_block_lengths(const std::vector<int64_t>& lengths, int rank, int ds);
+
+// A load-balanced sequence gathered in rank order ([c0, c(2cp-1)], [c1,
+// c(2cp-2)], ...) put back in global order along `dim`. `lengths`: every
+// rank's local length; `total`: their sum.
+Tensor restore_sequence_order(const Tensor& gathered, int64_t dim,
+                              const std::vector<int64_t>& lengths, int64_t total, int cp);
+
+// Ring attention over the local q, k, v (BSHD) of every rank of `group`
+// (cp_ring.cpp): `seq_len` is the global length, `lengths` every rank's local
+// length.
+Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                      const ProcessGroupPtr& group, const AttentionOptions& options,
+                      int64_t seq_len, bool load_balance, const std::vector<int64_t>& lengths);
+
+}  // namespace tandem::cp_detail

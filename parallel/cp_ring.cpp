@@ -1,0 +1,205 @@
+// Ring attention (DESIGN §7, mode = Ring): K/V blocks circulate between ring
+// neighbours by send/recv while each rank attends to the block it holds; the
+// partial results merge by log-sum-exp, the next block's transfer overlaps
+// the current block's compute, and in backward dK/dV circulate with their
+// blocks and go home at the end. The kernel that ContextParallel installs
+// (context_parallel.cpp) calls ring_attention() (cp_internal.h).
+#include <algorithm>
+#include <limits>
+
+#include "autograd/function.h"
+#include "autograd/ops.h"
+#include "parallel/context_parallel.h"
+#include "parallel/cp_internal.h"
+#include "parallel/functional.h"
+#include "runtime/error.h"
+
+namespace tandem::cp_detail {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+Tensor bhsd(const Tensor& t) {
+  return ops::contiguous(ops::transpose(t, 1, 2));
+}
+
+// Merges (out2, lse2) into (out1, lse1): the log-sum-exp rule, -inf safe.
+void merge(Tensor& out, Tensor& lse, const Tensor& out2, const Tensor& lse2) {
+  Tensor m = ops::maximum(lse, lse2);
+  Tensor finite = ops::lt(ops::abs(m), kInf);
+  Tensor m0 = ops::where(finite, m, 0.0);
+  Tensor w1 = ops::exp(ops::sub(lse, m0)), w2 = ops::exp(ops::sub(lse2, m0));
+  Tensor total = ops::add(w1, w2);
+  Tensor new_lse = ops::where(finite, ops::add(m0, ops::log(total)), -kInf);
+  Tensor denom = ops::where(finite, total, 1.0);
+  Tensor a = ops::unsqueeze(ops::div(w1, denom), -1), b = ops::unsqueeze(ops::div(w2, denom), -1);
+  out = ops::add(ops::mul(out, a), ops::mul(out2, b));
+  lse = new_lse;
+}
+
+// Ring attention as one Function over the local q, k, v (BSHD).
+struct RingAttention final : Function {
+  ProcessGroupPtr group;
+  AttentionOptions options;
+  int64_t seq_len = 0;  // global
+  bool load_balance = false;
+  std::vector<int64_t> lengths;                            // every rank's local length
+  Tensor saved_q, saved_k, saved_v, saved_out, saved_lse;  // BHSD
+
+  const char* name() const override { return "RingAttentionBackward"; }
+
+  std::vector<SeqPiece> pieces(int rank) const {
+    return sequence_pieces(seq_len, group->size(), rank, load_balance);
+  }
+  bool visible(const SeqPiece& q, const SeqPiece& k) const {
+    return q.length > 0 && k.length > 0 && (!options.causal || k.start <= q.start + q.length - 1);
+  }
+  AttentionOptions piece_options(const SeqPiece& q, const SeqPiece& k) const {
+    AttentionOptions o = options;
+    o.q_offset = q.start;
+    o.k_offset = k.start;
+    return o;
+  }
+  // Local offsets of a rank's pieces within its block.
+  static std::vector<int64_t> local_offsets(const std::vector<SeqPiece>& p) {
+    std::vector<int64_t> o;
+    int64_t at = 0;
+    for (const SeqPiece& x : p) {
+      o.push_back(at);
+      at += x.length;
+    }
+    return o;
+  }
+  Tensor pad(const Tensor& t, int64_t len) const {  // BHSD along S
+    if (t.shape()[2] == len) return t;
+    Shape s = t.shape();
+    s[2] = len - t.shape()[2];
+    return ops::cat({t, ops::zeros(s, t.dtype(), t.device())}, 2);
+  }
+  // Launches the exchange of `tensors` with the ring neighbours.
+  WorkPtr exchange(const std::vector<Tensor>& tensors) const {
+    const int n = group->size(), me = group->rank();
+    std::vector<P2POp> ops_list;
+    for (const Tensor& t : tensors)
+      ops_list.push_back(P2POp::send(t, (me + 1) % n));
+    for (const Tensor& t : tensors)
+      ops_list.push_back(P2POp::recv(t, (me + n - 1) % n));
+    return group->batch_isend_irecv(ops_list, "ring");
+  }
+
+  std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
+    const int n = group->size(), me = group->rank();
+    Tensor q = bhsd(in[0]), k = bhsd(in[1]), v = bhsd(in[2]);
+    const int64_t max_len = *std::max_element(lengths.begin(), lengths.end());
+    std::vector<SeqPiece> qp = pieces(me);
+    std::vector<int64_t> qo = local_offsets(qp);
+    const Shape& qs = q.shape();
+    std::vector<Tensor> out(qp.size()), lse(qp.size());
+    for (size_t i = 0; i < qp.size(); ++i) {
+      out[i] = ops::zeros({qs[0], qs[1], qp[i].length, qs[3]}, DType::F32, q.device());
+      lse[i] = ops::full({qs[0], qs[1], qp[i].length}, -kInf, DType::F32, q.device());
+    }
+    Tensor cur_k = pad(k, max_len), cur_v = pad(v, max_len);
+    for (int s = 0; s < n; ++s) {
+      const int src = (me - s + n) % n;
+      WorkPtr next = s + 1 < n ? exchange({cur_k, cur_v}) : nullptr;  // overlaps the compute
+      std::vector<SeqPiece> kp = pieces(src);
+      std::vector<int64_t> ko = local_offsets(kp);
+      for (size_t i = 0; i < qp.size(); ++i) {
+        for (size_t j = 0; j < kp.size(); ++j) {
+          if (!visible(qp[i], kp[j])) continue;
+          AttentionResult r = ops::scaled_dot_product_attention(
+              ops::narrow(q, 2, qo[i], qp[i].length), ops::narrow(cur_k, 2, ko[j], kp[j].length),
+              ops::narrow(cur_v, 2, ko[j], kp[j].length), piece_options(qp[i], kp[j]));
+          merge(out[i], lse[i], ops::to(r.out, DType::F32), r.lse);
+        }
+      }
+      if (next) {
+        next->wait();
+        cur_k = next->results()[0];
+        cur_v = next->results()[1];
+      }
+    }
+    Tensor o = out.size() == 1 ? out[0] : ops::cat(out, 2);
+    Tensor l = lse.size() == 1 ? lse[0] : ops::cat(lse, 2);
+    saved_q = q;
+    saved_k = k;
+    saved_v = v;
+    saved_out = ops::to(o, q.dtype());
+    saved_lse = l;
+    return {ops::contiguous(ops::transpose(saved_out, 1, 2))};
+  }
+
+  std::vector<Tensor> backward(FunctionCtx&, const std::vector<Tensor>& g) override {
+    const int n = group->size(), me = group->rank();
+    Tensor dout = bhsd(g[0]);
+    const int64_t max_len = *std::max_element(lengths.begin(), lengths.end());
+    std::vector<SeqPiece> qp = pieces(me);
+    std::vector<int64_t> qo = local_offsets(qp);
+    Tensor dq = ops::zeros(saved_q.shape(), DType::F32, saved_q.device());
+    Tensor cur_k = pad(saved_k, max_len), cur_v = pad(saved_v, max_len);
+    Tensor dk = ops::zeros(cur_k.shape(), DType::F32, cur_k.device()),
+           dv = ops::zeros(cur_v.shape(), DType::F32, cur_v.device());
+    for (int s = 0; s < n; ++s) {
+      const int src = (me - s + n) % n;
+      std::vector<SeqPiece> kp = pieces(src);
+      std::vector<int64_t> ko = local_offsets(kp);
+      for (size_t i = 0; i < qp.size(); ++i) {
+        for (size_t j = 0; j < kp.size(); ++j) {
+          if (!visible(qp[i], kp[j])) continue;
+          auto q_i = ops::narrow(saved_q, 2, qo[i], qp[i].length);
+          auto k_j = ops::narrow(cur_k, 2, ko[j], kp[j].length);
+          auto v_j = ops::narrow(cur_v, 2, ko[j], kp[j].length);
+          std::vector<Tensor> grads = attention_backward(
+              q_i, k_j, v_j, ops::narrow(saved_out, 2, qo[i], qp[i].length),
+              ops::narrow(saved_lse, 2, qo[i], qp[i].length),
+              ops::narrow(dout, 2, qo[i], qp[i].length), piece_options(qp[i], kp[j]));
+          ops::copy_(ops::narrow(dq, 2, qo[i], qp[i].length),
+                     ops::add(ops::narrow(dq, 2, qo[i], qp[i].length), grads[0]));
+          Tensor dk_j = ops::narrow(dk, 2, ko[j], kp[j].length);
+          Tensor dv_j = ops::narrow(dv, 2, ko[j], kp[j].length);
+          ops::copy_(dk_j, ops::add(dk_j, grads[1]));
+          ops::copy_(dv_j, ops::add(dv_j, grads[2]));
+        }
+      }
+      // The block and its gradient accumulators move on together; after the
+      // last step the accumulators go home (to the next rank, their owner).
+      WorkPtr w = s + 1 < n ? exchange({cur_k, cur_v, dk, dv}) : exchange({dk, dv});
+      w->wait();
+      if (s + 1 < n) {
+        cur_k = w->results()[0];
+        cur_v = w->results()[1];
+        dk = w->results()[2];
+        dv = w->results()[3];
+      } else {
+        dk = w->results()[0];
+        dv = w->results()[1];
+      }
+    }
+    const int64_t mine = lengths[me];
+    auto back = [&](const Tensor& t, const Tensor& like) {
+      return ops::contiguous(
+          ops::transpose(ops::to(ops::narrow(t, 2, 0, mine), like.dtype()), 1, 2));
+    };
+    saved_q = saved_k = saved_v = saved_out = saved_lse = Tensor();
+    return {ops::contiguous(ops::transpose(ops::to(dq, g[0].dtype()), 1, 2)), back(dk, g[0]),
+            back(dv, g[0])};
+  }
+};
+
+}  // namespace
+
+Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                      const ProcessGroupPtr& group, const AttentionOptions& options,
+                      int64_t seq_len, bool load_balance, const std::vector<int64_t>& lengths) {
+  auto f = std::make_shared<RingAttention>();
+  f->group = group;
+  f->options = options;
+  f->seq_len = seq_len;
+  f->load_balance = load_balance;
+  f->lengths = lengths;
+  return Function::apply(f, {q, k, v})[0];
+}
+
+}  // namespace tandem::cp_detail
