@@ -1,7 +1,7 @@
-// safetensors reader and writer (tensor/safetensors.h). Validation follows the reference Rust
+// safetensors reader and writer (tensor/io/safetensors.h). Validation follows the reference Rust
 // implementation and adds what it leaves to serde (exact fields, duplicate keys) plus the checksum
 // of Note [Safetensors checksum].
-#include "tensor/safetensors.h"
+#include "tensor/io/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
