@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <limits>
 #include <optional>
 #include <system_error>
@@ -51,6 +52,7 @@ constexpr DTypeName kDTypeNames[] = {
     {DType::F32, "F32"}, {DType::F64, "F64"}, {DType::BF16, "BF16"}, {DType::F16, "F16"},
     {DType::I32, "I32"}, {DType::I64, "I64"}, {DType::Bool, "BOOL"},
 };
+static_assert(std::size(kDTypeNames) == kDTypeCount, "one safetensors name per DType");
 // safetensors dtypes tandem has no dtype for (so their error says "unsupported",
 // not "unknown").
 constexpr const char* kForeignDTypes[] = {"U8",      "I8",      "U16",     "I16",        "U32",

@@ -43,6 +43,7 @@ namespace {
 
 const DType kAllDTypes[] = {DType::F32, DType::F64, DType::BF16, DType::F16,
                             DType::I32, DType::I64, DType::Bool};
+static_assert(std::size(kAllDTypes) == kDTypeCount, "every DType");
 
 using Bytes = std::vector<uint8_t>;
 
