@@ -21,9 +21,9 @@
 #include "runtime/worker_pair.h"
 
 #include "tensor/dtype.h"
+#include "tensor/io/safetensors.h"
 #include "tensor/ops.h"
 #include "tensor/random.h"
-#include "tensor/safetensors.h"
 #include "tensor/tensor.h"
 
 #include "autograd/checkpoint.h"

@@ -1,5 +1,6 @@
 #include "comm/process_group.h"
 
+#include <iterator>
 #include <numeric>
 #include <set>
 
@@ -30,6 +31,7 @@ const char* collective_name(CollectiveKind kind) {
   static const char* names[] = {"all_reduce",     "broadcast",         "all_gather",
                                 "reduce_scatter", "all_to_all",        "send",
                                 "recv",           "batch_isend_irecv", "barrier"};
+  static_assert(std::size(names) == kCollectiveKindCount, "one name per CollectiveKind");
   return names[static_cast<int>(kind)];
 }
 

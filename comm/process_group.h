@@ -54,6 +54,9 @@ enum class CollectiveKind : uint8_t {
   BatchP2P,
   Barrier
 };
+// The number of kinds, for collective_name's table: the last value + 1, not an
+// enumerator (switches stay exhaustive).
+constexpr int kCollectiveKindCount = static_cast<int>(CollectiveKind::Barrier) + 1;
 const char* collective_name(CollectiveKind kind);
 
 // One launched collective, as the backend sees it. Inputs are contiguous;

@@ -13,9 +13,9 @@
 #include <sstream>
 
 #include "runtime/error.h"
-#include "tensor/file_io.h"
+#include "tensor/io/file_io.h"
+#include "tensor/io/safetensors.h"
 #include "tensor/ops.h"
-#include "tensor/safetensors.h"
 
 namespace tandem {
 

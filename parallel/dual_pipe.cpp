@@ -1,5 +1,7 @@
 #include "parallel/dual_pipe.h"
 
+#include <iterator>
+
 #include "autograd/function.h"
 #include "autograd/nn/moe.h"
 #include "autograd/ops.h"
@@ -21,11 +23,14 @@ Roles roles(SyncPoint p, bool backward) {
       {R::Compute, R::Comm}, {R::Comm, R::Compute}, {R::Compute, R::Comm}, {R::Comm, R::Compute}};
   static const Roles backward_table[] = {
       {R::Comm, R::Compute}, {R::Compute, R::Comm}, {R::Comm, R::Compute}, {R::Compute, R::Comm}};
+  static_assert(std::size(forward_table) == kSyncPointCount, "one forward entry per SyncPoint");
+  static_assert(std::size(backward_table) == kSyncPointCount, "one backward entry per SyncPoint");
   return (backward ? backward_table : forward_table)[static_cast<int>(p)];
 }
 
 const char* point_name(SyncPoint p) {
   static const char* names[] = {"A:dispatch", "B:experts", "C:combine", "D:attention"};
+  static_assert(std::size(names) == kSyncPointCount, "one name per SyncPoint");
   return names[static_cast<int>(p)];
 }
 

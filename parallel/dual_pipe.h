@@ -36,6 +36,9 @@
 namespace tandem {
 
 enum class SyncPoint { A, B, C, D };
+// The number of sync points, for the tables indexed by them in dual_pipe.cpp:
+// the last value + 1, not an enumerator (switches stay exhaustive).
+constexpr int kSyncPointCount = static_cast<int>(SyncPoint::D) + 1;
 
 // One sync hook on `x`: identity in value, a node in the graph.
 Tensor sync_hook(const Tensor& x, const std::shared_ptr<HookCoordinator>& coordinator,

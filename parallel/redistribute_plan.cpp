@@ -15,6 +15,7 @@
 
 #include <fmt/format.h>
 
+#include <iterator>
 #include <map>
 #include <mutex>
 
@@ -28,6 +29,7 @@ namespace redistribute_detail {
 std::string Step::str() const {
   static const char* names[] = {"all_gather", "all_reduce", "reduce_scatter",
                                 "all_to_all", "chunk",      "make_partial"};
+  static_assert(std::size(names) == kKindCount, "one name per Step::Kind");
   std::string s = fmt::format("{}(mesh dim {}", names[static_cast<int>(kind)], mesh_dim);
   if (kind == Kind::AllToAll) s += fmt::format(", dim {} -> {}", dim, dim2);
   if (kind == Kind::AllGather || kind == Kind::ReduceScatter || kind == Kind::Chunk) {

@@ -13,6 +13,9 @@ namespace tandem::redistribute_detail {
 
 struct Step {
   enum class Kind : uint8_t { AllGather, AllReduce, ReduceScatter, AllToAll, Chunk, MakePartial };
+  // For str()'s name table: the last value + 1, not an enumerator (switches
+  // stay exhaustive).
+  static constexpr int kKindCount = static_cast<int>(Kind::MakePartial) + 1;
   Kind kind;
   int mesh_dim;
   int64_t dim = 0;   // tensor dim (AllToAll: the source shard dim)

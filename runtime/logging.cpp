@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <mutex>
 #include <optional>
 
@@ -62,6 +63,7 @@ void set_log_level(LogLevel level) {
 
 void log_message(LogLevel level, const std::string& message) {
   static const char kLetters[] = {'D', 'I', 'W', 'E'};
+  static_assert(std::size(kLetters) == kLogLevelCount, "one letter per LogLevel");
   LogContext c = current_log_context();
   std::string prefix = c.rank >= 0 ? fmt::format("[tandem r{}/{} {}]", c.rank, c.world,
                                                  kLetters[static_cast<int>(level)])

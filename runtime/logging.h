@@ -10,6 +10,9 @@
 namespace tandem {
 
 enum class LogLevel { Debug, Info, Warn, Error };
+// The number of levels, for log_message's letter table: the last value + 1, not
+// an enumerator (switches stay exhaustive).
+constexpr int kLogLevelCount = static_cast<int>(LogLevel::Error) + 1;
 
 struct LogContext {
   int rank = -1;  // -1: not part of a group

@@ -13,6 +13,11 @@
 namespace tandem {
 
 enum class DType : uint8_t { F32, F64, BF16, F16, I32, I64, Bool };
+// The number of dtypes, for tables with one entry per dtype (each
+// static_asserts its size against it): the last value + 1, so a new dtype goes
+// last or moves the count with it. Not an enumerator, so that switches stay
+// exhaustive without a default.
+constexpr int kDTypeCount = static_cast<int>(DType::Bool) + 1;
 
 constexpr size_t dtype_size(DType t) {
   switch (t) {

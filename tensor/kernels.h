@@ -46,7 +46,13 @@ enum class UnaryOp : uint8_t {
   Erf,
   GeluErf
 };
+// The number of values of an enum with a table indexed by it (each table
+// static_asserts its size against it): its last value + 1, so a new value goes
+// last or moves the count with it. Not an enumerator, so that switches stay
+// exhaustive without a default.
+constexpr int kUnaryOpCount = static_cast<int>(UnaryOp::GeluErf) + 1;
 enum class BinaryOp : uint8_t { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge };
+constexpr int kBinaryOpCount = static_cast<int>(BinaryOp::Ge) + 1;  // as kUnaryOpCount
 constexpr bool is_comparison(BinaryOp op) {
   return op >= BinaryOp::Eq;
 }

@@ -4,6 +4,7 @@
 // and transcendental functions of integer tensors produce f32 (as in PyTorch);
 // arithmetic on bool tensors happens in i64; comparisons return bool.
 #include <cmath>
+#include <iterator>
 
 #include "tensor/dispatch.h"
 #include "tensor/ops.h"
@@ -17,12 +18,14 @@ namespace {
 const char* binary_name(BinaryOp op) {
   static const char* names[] = {"add", "sub", "mul", "div", "pow", "maximum", "minimum",
                                 "eq",  "ne",  "lt",  "le",  "gt",  "ge"};
+  static_assert(std::size(names) == kBinaryOpCount, "one name per BinaryOp");
   return names[static_cast<int>(op)];
 }
 
 const char* unary_name(UnaryOp op) {
   static const char* names[] = {"neg",     "exp",  "log",  "sqrt", "rsqrt", "abs",     "tanh",
                                 "sigmoid", "relu", "gelu", "silu", "erf",   "gelu_erf"};
+  static_assert(std::size(names) == kUnaryOpCount, "one name per UnaryOp");
   return names[static_cast<int>(op)];
 }
 

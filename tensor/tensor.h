@@ -26,7 +26,7 @@ namespace tandem {
 struct StorageImpl {
   StorageImpl(size_t nbytes, Device device, const Stream& stream);
   // Wraps foreign memory: `release` runs exactly once, when the last view dies
-  // (tensor/dlpack.h). Such a storage has no allocator, so no record_stream.
+  // (tensor/io/dlpack.h). Such a storage has no allocator, so no record_stream.
   StorageImpl(void* data, size_t nbytes, Device device, std::function<void()> release);
   ~StorageImpl();
   StorageImpl(const StorageImpl&) = delete;

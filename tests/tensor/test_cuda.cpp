@@ -14,6 +14,7 @@
 #include <iostream>
 
 #include <functional>
+#include <iterator>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,6 +36,7 @@ namespace {
 const DType kFloatTypes[] = {DType::F32, DType::F64, DType::BF16, DType::F16};
 const DType kAllTypes[] = {DType::F32, DType::F64, DType::BF16, DType::F16,
                            DType::I32, DType::I64, DType::Bool};
+static_assert(std::size(kAllTypes) == kDTypeCount, "every DType");
 
 struct Tol {
   double rtol, atol;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,7 @@ namespace {
 
 const DType kAllDTypes[] = {DType::F32, DType::F64, DType::BF16, DType::F16,
                             DType::I32, DType::I64, DType::Bool};
+static_assert(std::size(kAllDTypes) == kDTypeCount, "every DType");
 
 double mean_of(const std::vector<double>& v) {
   double s = 0;

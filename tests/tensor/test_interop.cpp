@@ -1,5 +1,5 @@
-// Interop (issue 8): safetensors files (tensor/safetensors.h) and DLPack
-// (tensor/dlpack.h).
+// Interop (issue 8): safetensors files (tensor/io/safetensors.h) and DLPack
+// (tensor/io/dlpack.h).
 //
 // The oracles are independent of the code under test: files assembled here
 // byte by byte (a hand-written JSON header plus little-endian raw bytes) must
@@ -27,9 +27,9 @@
 #include <fmt/ranges.h>
 
 #include "runtime/error.h"
-#include "tensor/dlpack.h"
+#include "tensor/io/dlpack.h"
+#include "tensor/io/safetensors.h"
 #include "tensor/ops.h"
-#include "tensor/safetensors.h"
 #include "tests/support/skip_cuda.h"
 #include "tests/support/test_util.h"
 
@@ -43,6 +43,7 @@ namespace {
 
 const DType kAllDTypes[] = {DType::F32, DType::F64, DType::BF16, DType::F16,
                             DType::I32, DType::I64, DType::Bool};
+static_assert(std::size(kAllDTypes) == kDTypeCount, "every DType");
 
 using Bytes = std::vector<uint8_t>;
 

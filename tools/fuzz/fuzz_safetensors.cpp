@@ -1,4 +1,4 @@
-// fuzz-safetensors: arbitrary bytes into parse_safetensors (tensor/safetensors.h).
+// fuzz-safetensors: arbitrary bytes into parse_safetensors (tensor/io/safetensors.h).
 //
 // The reader must reject what is malformed with a tandem::Error and never read
 // outside the buffer (AddressSanitizer watches). What it accepts must survive
@@ -13,7 +13,7 @@
 #include <string>
 
 #include "runtime/error.h"
-#include "tensor/safetensors.h"
+#include "tensor/io/safetensors.h"
 
 namespace tandem {
 namespace {

@@ -30,7 +30,7 @@
 #include "runtime/config.h"
 #include "runtime/error.h"
 #include "runtime/trace.h"
-#include "tensor/safetensors.h"
+#include "tensor/io/safetensors.h"
 #include "tools/train/progress.h"
 
 namespace tandem::train {

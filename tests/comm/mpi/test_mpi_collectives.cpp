@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -54,6 +55,7 @@ std::string what_of(const WorkPtr& work) {
 
 const DType kAllDtypes[] = {DType::F32, DType::F64, DType::BF16, DType::F16,
                             DType::I32, DType::I64, DType::Bool};
+static_assert(std::size(kAllDtypes) == kDTypeCount, "every DType");
 
 }  // namespace
 

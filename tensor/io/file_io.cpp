@@ -1,6 +1,6 @@
 // File helpers shared by the safetensors code and the checkpoints
-// (tensor/file_io.h): exact reads, the atomic file write and CRC-32C.
-#include "tensor/file_io.h"
+// (tensor/io/file_io.h): exact reads, the atomic file write and CRC-32C.
+#include "tensor/io/file_io.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

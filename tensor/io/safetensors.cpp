@@ -1,7 +1,7 @@
-// safetensors reader and writer (tensor/safetensors.h). Validation follows the reference Rust
+// safetensors reader and writer (tensor/io/safetensors.h). Validation follows the reference Rust
 // implementation and adds what it leaves to serde (exact fields, duplicate keys) plus the checksum
 // of Note [Safetensors checksum].
-#include "tensor/safetensors.h"
+#include "tensor/io/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <limits>
 #include <optional>
 #include <system_error>
@@ -51,6 +52,7 @@ constexpr DTypeName kDTypeNames[] = {
     {DType::F32, "F32"}, {DType::F64, "F64"}, {DType::BF16, "BF16"}, {DType::F16, "F16"},
     {DType::I32, "I32"}, {DType::I64, "I64"}, {DType::Bool, "BOOL"},
 };
+static_assert(std::size(kDTypeNames) == kDTypeCount, "one safetensors name per DType");
 // safetensors dtypes tandem has no dtype for (so their error says "unsupported",
 // not "unknown").
 constexpr const char* kForeignDTypes[] = {"U8",      "I8",      "U16",     "I16",        "U32",

@@ -1,5 +1,5 @@
 // Hugging Face safetensors files: read and write (the atomic file write and
-// CRC-32C they use are in tensor/file_io.h).
+// CRC-32C they use are in tensor/io/file_io.h).
 //
 // Format: an 8-byte little-endian header length N, N bytes of a UTF-8 JSON
 // object {name: {"dtype", "shape", "data_offsets": [begin, end]}, optional
@@ -32,7 +32,7 @@
 #include <utility>
 #include <vector>
 
-#include "tensor/file_io.h"
+#include "tensor/io/file_io.h"
 #include "tensor/tensor.h"
 
 namespace tandem {

@@ -1,5 +1,5 @@
-// DLPack export and import (tensor/dlpack.h, Note [DLPack ownership]).
-#include "tensor/dlpack.h"
+// DLPack export and import (tensor/io/dlpack.h, Note [DLPack ownership]).
+#include "tensor/io/dlpack.h"
 
 #include <algorithm>
 #include <cstdint>
