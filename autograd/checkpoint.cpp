@@ -1,8 +1,8 @@
-#include "autograd/checkpoint.h"
+#include "tandem/autograd/checkpoint.h"
 
-#include "autograd/engine.h"
-#include "autograd/function.h"
-#include "runtime/recompute_flag.h"
+#include "tandem/autograd/engine.h"
+#include "tandem/autograd/function.h"
+#include "tandem/runtime/recompute_flag.h"
 
 namespace tandem {
 namespace {

@@ -25,8 +25,8 @@
 #include <functional>
 #include <vector>
 
-#include "tensor/random.h"
-#include "tensor/tensor.h"
+#include "tandem/tensor/random.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem {
 

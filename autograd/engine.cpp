@@ -1,12 +1,12 @@
-#include "autograd/engine.h"
+#include "tandem/autograd/engine.h"
 
 #include <queue>
 #include <unordered_map>
 #include <unordered_set>
 
-#include "runtime/error.h"
-#include "runtime/trace.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/trace.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <vector>
 
-#include "autograd/node.h"
+#include "tandem/autograd/node.h"
 
 namespace tandem {
 

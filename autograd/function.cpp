@@ -1,7 +1,7 @@
-#include "autograd/function.h"
+#include "tandem/autograd/function.h"
 
-#include "runtime/error.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 

@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "autograd/node.h"
+#include "tandem/autograd/node.h"
 
 namespace tandem {
 

@@ -1,9 +1,9 @@
-#include "autograd/gradcheck.h"
+#include "tandem/autograd/gradcheck.h"
 
 #include <algorithm>
 #include <cmath>
 
-#include "autograd/ops.h"
+#include "tandem/autograd/ops.h"
 
 namespace tandem {
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "tensor/tensor.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem {
 

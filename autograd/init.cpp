@@ -1,8 +1,8 @@
-#include "autograd/init.h"
+#include "tandem/autograd/init.h"
 
 #include <cmath>
 
-#include "tensor/ops.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem::init {
 namespace {

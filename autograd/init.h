@@ -13,8 +13,8 @@
 
 #include <cstdint>
 
-#include "tensor/random.h"
-#include "tensor/tensor.h"
+#include "tandem/tensor/random.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem::init {
 

@@ -1,13 +1,13 @@
-#include "autograd/module.h"
+#include "tandem/autograd/module.h"
 
 #include <atomic>
 #include <cstdlib>
 #include <string>
 
-#include "autograd/function.h"
-#include "runtime/error.h"
-#include "runtime/trace.h"
-#include "tensor/ops.h"
+#include "tandem/autograd/function.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/trace.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 namespace {

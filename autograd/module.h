@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/node.h"
+#include "tandem/autograd/node.h"
 
 namespace tandem {
 

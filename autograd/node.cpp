@@ -1,9 +1,9 @@
-#include "autograd/node.h"
+#include "tandem/autograd/node.h"
 
 #include <fmt/format.h>
 
-#include "runtime/error.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 namespace {

@@ -27,9 +27,9 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/engine.h"
-#include "autograd/node.h"
-#include "tensor/ops.h"
+#include "tandem/autograd/engine.h"
+#include "tandem/autograd/node.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 

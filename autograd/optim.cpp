@@ -1,12 +1,12 @@
-#include "autograd/optim.h"
+#include "tandem/autograd/optim.h"
 
 #include <cmath>
 #include <numbers>
 #include <set>
 
-#include "autograd/node.h"
-#include "runtime/error.h"
-#include "tensor/ops.h"
+#include "tandem/autograd/node.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem::optim {
 namespace {

@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "tensor/tensor.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem::optim {
 

@@ -1,12 +1,12 @@
 // Backend selection (backend.h).
-#include "comm/backend.h"
+#include "tandem/comm/backend.h"
 
 #include <cstdlib>
 
-#include "comm/mpi/mpi_backend.h"
-#include "comm/nccl/nccl_backend.h"
-#include "runtime/device.h"
-#include "runtime/error.h"
+#include "tandem/comm/mpi/mpi_backend.h"
+#include "tandem/comm/nccl/nccl_backend.h"
+#include "tandem/runtime/device.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 

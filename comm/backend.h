@@ -11,7 +11,7 @@
 
 #include <string>
 
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 
 namespace tandem {
 

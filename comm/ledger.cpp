@@ -1,4 +1,4 @@
-#include "comm/ledger.h"
+#include "tandem/comm/ledger.h"
 
 #include <algorithm>
 

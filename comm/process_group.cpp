@@ -1,15 +1,15 @@
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 
 #include <iterator>
 #include <numeric>
 #include <set>
 
-#include "runtime/config.h"
-#include "runtime/error.h"
-#include "runtime/logging.h"
-#include "runtime/trace.h"
-#include "tensor/kernels.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/config.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
+#include "tandem/runtime/trace.h"
+#include "tandem/tensor/kernels.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 

@@ -28,10 +28,10 @@
 #include <string>
 #include <vector>
 
-#include "comm/ledger.h"
-#include "comm/types.h"
-#include "comm/work.h"
-#include "runtime/stream.h"
+#include "tandem/comm/ledger.h"
+#include "tandem/comm/types.h"
+#include "tandem/comm/work.h"
+#include "tandem/runtime/stream.h"
 
 namespace tandem {
 

@@ -1,6 +1,6 @@
 // The simulated-link wrapper and its timer thread (Note [Simulated link
 // timing] in comm/sim_link.h).
-#include "comm/sim_link.h"
+#include "tandem/comm/sim_link.h"
 
 #include <algorithm>
 #include <chrono>
@@ -11,9 +11,9 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/error.h"
-#include "runtime/logging.h"
-#include "runtime/trace.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
+#include "tandem/runtime/trace.h"
 
 namespace tandem {
 

@@ -33,7 +33,7 @@
 
 #include <map>
 
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 
 namespace tandem {
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "tensor/tensor.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem {
 

@@ -1,10 +1,10 @@
-#include "comm/work.h"
+#include "tandem/comm/work.h"
 
 #include <atomic>
 
-#include "runtime/config.h"
-#include "runtime/error.h"
-#include "runtime/trace.h"
+#include "tandem/runtime/config.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/trace.h"
 
 namespace tandem {
 

@@ -22,10 +22,10 @@
 #include <string>
 #include <vector>
 
-#include "runtime/error.h"
-#include "runtime/stream.h"
-#include "runtime/trace.h"
-#include "tensor/tensor.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/stream.h"
+#include "tandem/runtime/trace.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem {
 

@@ -1,4 +1,4 @@
-#include "parallel/checkpoint.h"
+#include "tandem/parallel/checkpoint.h"
 
 #include <fmt/format.h>
 
@@ -12,10 +12,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "runtime/error.h"
-#include "tensor/io/file_io.h"
-#include "tensor/io/safetensors.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/io/file_io.h"
+#include "tandem/tensor/io/safetensors.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 

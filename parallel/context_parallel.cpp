@@ -3,19 +3,19 @@
 // layout they share (CPRuntime), and the DTensor front end, attend(). The
 // layout helpers live in cp_layout.cpp, ring attention in cp_ring.cpp and
 // the async variant in cp_async.cpp.
-#include "parallel/context_parallel.h"
+#include "tandem/parallel/context_parallel.h"
 
 #include <algorithm>
 #include <map>
 #include <mutex>
 #include <thread>
 
-#include "autograd/function.h"
-#include "autograd/ops.h"
-#include "parallel/cp_internal.h"
-#include "parallel/dtensor.h"
-#include "parallel/functional.h"
-#include "runtime/error.h"
+#include "tandem/autograd/function.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/parallel/cp_internal.h"
+#include "tandem/parallel/dtensor.h"
+#include "tandem/parallel/functional.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 

@@ -57,9 +57,9 @@
 #include <thread>
 #include <vector>
 
-#include "autograd/nn/attention.h"
-#include "parallel/device_mesh.h"
-#include "parallel/dtensor.h"
+#include "tandem/autograd/nn/attention.h"
+#include "tandem/parallel/device_mesh.h"
+#include "tandem/parallel/dtensor.h"
 
 namespace tandem {
 

@@ -11,13 +11,13 @@
 #include <optional>
 #include <thread>
 
-#include "autograd/function.h"
-#include "autograd/ops.h"
-#include "parallel/context_parallel.h"
-#include "parallel/cp_internal.h"
-#include "parallel/dtensor.h"
-#include "parallel/functional.h"
-#include "runtime/error.h"
+#include "tandem/autograd/function.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/parallel/context_parallel.h"
+#include "tandem/parallel/cp_internal.h"
+#include "tandem/parallel/dtensor.h"
+#include "tandem/parallel/functional.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 

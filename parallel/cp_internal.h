@@ -9,11 +9,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "autograd/module.h"
-#include "comm/process_group.h"
-#include "parallel/context_parallel.h"
-#include "tensor/ops.h"
-#include "tensor/tensor.h"
+#include "tandem/autograd/module.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/parallel/context_parallel.h"
+#include "tandem/tensor/ops.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem::cp_detail {
 

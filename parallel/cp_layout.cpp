@@ -5,12 +5,12 @@
 // load-balanced sequence (cp_internal.h).
 #include <algorithm>
 
-#include "autograd/ops.h"
-#include "parallel/context_parallel.h"
-#include "parallel/cp_internal.h"
-#include "parallel/dtensor.h"
-#include "parallel/functional.h"
-#include "runtime/error.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/parallel/context_parallel.h"
+#include "tandem/parallel/cp_internal.h"
+#include "tandem/parallel/dtensor.h"
+#include "tandem/parallel/functional.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 

@@ -7,12 +7,12 @@
 #include <algorithm>
 #include <limits>
 
-#include "autograd/function.h"
-#include "autograd/ops.h"
-#include "parallel/context_parallel.h"
-#include "parallel/cp_internal.h"
-#include "parallel/functional.h"
-#include "runtime/error.h"
+#include "tandem/autograd/function.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/parallel/context_parallel.h"
+#include "tandem/parallel/cp_internal.h"
+#include "tandem/parallel/functional.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::cp_detail {
 

@@ -1,15 +1,15 @@
-#include "parallel/data_parallel.h"
+#include "tandem/parallel/data_parallel.h"
 
 #include <algorithm>
 #include <cmath>
 #include <iterator>
 #include <memory>
 
-#include "autograd/node.h"
-#include "comm/work.h"
-#include "parallel/param_placement.h"
-#include "runtime/error.h"
-#include "tensor/ops.h"
+#include "tandem/autograd/node.h"
+#include "tandem/comm/work.h"
+#include "tandem/parallel/param_placement.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 

@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "comm/types.h"
-#include "parallel/device_mesh.h"
-#include "tensor/tensor.h"
+#include "tandem/comm/types.h"
+#include "tandem/parallel/device_mesh.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem {
 

@@ -1,4 +1,4 @@
-#include "parallel/device_mesh.h"
+#include "tandem/parallel/device_mesh.h"
 
 #include <fmt/ranges.h>
 
@@ -7,7 +7,7 @@
 #include <numeric>
 #include <set>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 

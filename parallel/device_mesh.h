@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 
 namespace tandem {
 

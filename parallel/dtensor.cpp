@@ -1,10 +1,10 @@
-#include "parallel/dtensor.h"
+#include "tandem/parallel/dtensor.h"
 
 #include <fmt/ranges.h>
 
-#include "autograd/function.h"
-#include "runtime/error.h"
-#include "tensor/ops.h"
+#include "tandem/autograd/function.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 

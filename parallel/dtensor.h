@@ -19,10 +19,10 @@
 #include <optional>
 #include <vector>
 
-#include "comm/work.h"
-#include "parallel/device_mesh.h"
-#include "parallel/placement.h"
-#include "tensor/tensor.h"
+#include "tandem/comm/work.h"
+#include "tandem/parallel/device_mesh.h"
+#include "tandem/parallel/placement.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem {
 

@@ -3,10 +3,10 @@
 // effect a matmul of one-hot indices with the table, so a table sharded along
 // the vocabulary gives a Partial sum as Shard(K) does). dtensor_ops.cpp has
 // the elementwise, reduction and shape rules; dtensor_ops.h the table of all.
-#include "autograd/ops.h"
-#include "parallel/dtensor_ops.h"
-#include "parallel/dtensor_rules.h"
-#include "runtime/error.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/parallel/dtensor_ops.h"
+#include "tandem/parallel/dtensor_rules.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 

@@ -1,17 +1,17 @@
 // Sharding rules of the DTensor elementwise, unary, reduction, norm and shape
 // ops (the table is in dtensor_ops.h), and the helpers every rule shares
 // (dtensor_rules.h). dtensor_matmul.cpp has matmul, linear and embedding.
-#include "parallel/dtensor_ops.h"
+#include "tandem/parallel/dtensor_ops.h"
 
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 
-#include "autograd/function.h"
-#include "autograd/ops.h"
-#include "parallel/dtensor_rules.h"
-#include "runtime/error.h"
-#include "runtime/logging.h"
+#include "tandem/autograd/function.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/parallel/dtensor_rules.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
 
 namespace tandem {
 namespace dtensor_detail {

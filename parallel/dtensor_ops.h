@@ -25,7 +25,7 @@
 
 #include <vector>
 
-#include "parallel/dtensor.h"
+#include "tandem/parallel/dtensor.h"
 
 namespace tandem {
 

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "parallel/dtensor.h"
+#include "tandem/parallel/dtensor.h"
 
 namespace tandem::dtensor_detail {
 

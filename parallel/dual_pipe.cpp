@@ -1,12 +1,12 @@
-#include "parallel/dual_pipe.h"
+#include "tandem/parallel/dual_pipe.h"
 
 #include <iterator>
 
-#include "autograd/function.h"
-#include "autograd/nn/moe.h"
-#include "autograd/ops.h"
-#include "parallel/expert_parallel.h"
-#include "runtime/error.h"
+#include "tandem/autograd/function.h"
+#include "tandem/autograd/nn/moe.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/parallel/expert_parallel.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 namespace {

@@ -28,10 +28,10 @@
 #include <string>
 #include <vector>
 
-#include "autograd/module.h"
-#include "parallel/device_mesh.h"
-#include "runtime/hook_coordinator.h"
-#include "runtime/worker_pair.h"
+#include "tandem/autograd/module.h"
+#include "tandem/parallel/device_mesh.h"
+#include "tandem/runtime/hook_coordinator.h"
+#include "tandem/runtime/worker_pair.h"
 
 namespace tandem {
 

@@ -1,13 +1,13 @@
-#include "parallel/expert_parallel.h"
+#include "tandem/parallel/expert_parallel.h"
 
 #include <numeric>
 #include <utility>
 #include <vector>
 
-#include "autograd/function.h"
-#include "autograd/ops.h"
-#include "parallel/param_placement.h"
-#include "runtime/error.h"
+#include "tandem/autograd/function.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/parallel/param_placement.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 namespace {

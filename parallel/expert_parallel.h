@@ -44,9 +44,9 @@
 #include <functional>
 #include <memory>
 
-#include "autograd/nn/moe.h"
-#include "parallel/device_mesh.h"
-#include "parallel/tensor_parallel.h"
+#include "tandem/autograd/nn/moe.h"
+#include "tandem/parallel/device_mesh.h"
+#include "tandem/parallel/tensor_parallel.h"
 
 namespace tandem {
 

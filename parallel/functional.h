@@ -19,8 +19,8 @@
 
 #include <vector>
 
-#include "comm/process_group.h"
-#include "tensor/tensor.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem {
 

@@ -1,12 +1,12 @@
-#include "parallel/param_placement.h"
+#include "tandem/parallel/param_placement.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <memory>
 
-#include "parallel/placement.h"
-#include "runtime/error.h"
+#include "tandem/parallel/placement.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 

@@ -29,9 +29,9 @@
 #include <string>
 #include <vector>
 
-#include "autograd/node.h"
-#include "parallel/checkpoint.h"
-#include "parallel/device_mesh.h"
+#include "tandem/autograd/node.h"
+#include "tandem/parallel/checkpoint.h"
+#include "tandem/parallel/device_mesh.h"
 
 namespace tandem {
 

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "comm/types.h"
+#include "tandem/comm/types.h"
 
 namespace tandem {
 

@@ -3,11 +3,11 @@
 // gradients], and its asynchronous form for single-collective plans.
 #include <fmt/ranges.h>
 
-#include "autograd/function.h"
-#include "parallel/dtensor.h"
-#include "parallel/redistribute_plan.h"
-#include "runtime/error.h"
-#include "tensor/ops.h"
+#include "tandem/autograd/function.h"
+#include "tandem/parallel/dtensor.h"
+#include "tandem/parallel/redistribute_plan.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 

@@ -11,7 +11,7 @@
 //      when that is its final place, else all-reduced to Replicate;
 //   3. from the first mesh dim to the last, a Replicate becomes its target
 //      Shard (a local chunk) or Partial (no communication).
-#include "parallel/redistribute_plan.h"
+#include "tandem/parallel/redistribute_plan.h"
 
 #include <fmt/format.h>
 
@@ -19,9 +19,9 @@
 #include <map>
 #include <mutex>
 
-#include "parallel/dtensor.h"
-#include "runtime/error.h"
-#include "runtime/logging.h"
+#include "tandem/parallel/dtensor.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
 
 namespace tandem {
 namespace redistribute_detail {

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "parallel/placement.h"
+#include "tandem/parallel/placement.h"
 
 namespace tandem::redistribute_detail {
 

@@ -1,10 +1,10 @@
-#include "parallel/tensor_parallel.h"
+#include "tandem/parallel/tensor_parallel.h"
 
-#include "autograd/nn/linear.h"
-#include "autograd/ops.h"
-#include "parallel/dtensor_ops.h"
-#include "parallel/param_placement.h"
-#include "runtime/error.h"
+#include "tandem/autograd/nn/linear.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/parallel/dtensor_ops.h"
+#include "tandem/parallel/param_placement.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 namespace {

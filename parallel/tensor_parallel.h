@@ -29,8 +29,8 @@
 #include <string>
 #include <vector>
 
-#include "autograd/module.h"
-#include "parallel/dtensor.h"
+#include "tandem/autograd/module.h"
+#include "tandem/parallel/dtensor.h"
 
 namespace tandem {
 

@@ -1,4 +1,4 @@
-#include "runtime/allocator.h"
+#include "tandem/runtime/allocator.h"
 
 #include <atomic>
 #include <cstdlib>
@@ -9,8 +9,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/cuda/cuda_api.h"
-#include "runtime/error.h"
+#include "tandem/runtime/cuda/cuda_api.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 namespace {

@@ -22,8 +22,8 @@
 #include <cstdint>
 #include <memory>
 
-#include "runtime/device.h"
-#include "runtime/stream.h"
+#include "tandem/runtime/device.h"
+#include "tandem/runtime/stream.h"
 
 namespace tandem {
 

@@ -1,10 +1,10 @@
-#include "runtime/config.h"
+#include "tandem/runtime/config.h"
 
 #include <atomic>
 #include <cstdlib>
 #include <string>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 namespace {

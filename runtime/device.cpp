@@ -1,7 +1,7 @@
-#include "runtime/device.h"
+#include "tandem/runtime/device.h"
 
-#include "runtime/cuda/cuda_api.h"
-#include "runtime/error.h"
+#include "tandem/runtime/cuda/cuda_api.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 

@@ -1,4 +1,4 @@
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 #include <cstring>
 

@@ -1,16 +1,16 @@
 // HookCoordinator (Note [Hook coordinator] in the header). All state sits
 // behind one mutex and one condition variable: the two threads meet a few
 // times per layer, so a simple, obviously correct lock beats anything clever.
-#include "runtime/hook_coordinator.h"
+#include "tandem/runtime/hook_coordinator.h"
 
 #include <fmt/format.h>
 
 #include <string_view>
 
-#include "runtime/error.h"
-#include "runtime/logging.h"
-#include "runtime/recompute_flag.h"
-#include "runtime/trace.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
+#include "tandem/runtime/recompute_flag.h"
+#include "tandem/runtime/trace.h"
 
 namespace tandem {
 namespace {

@@ -96,7 +96,7 @@
 #include <string>
 #include <thread>
 
-#include "runtime/config.h"
+#include "tandem/runtime/config.h"
 
 namespace tandem {
 

@@ -1,4 +1,4 @@
-#include "runtime/logging.h"
+#include "tandem/runtime/logging.h"
 
 #include <atomic>
 #include <cstdio>

@@ -1,4 +1,4 @@
-#include "runtime/stream.h"
+#include "tandem/runtime/stream.h"
 
 #include <array>
 #include <atomic>
@@ -6,9 +6,9 @@
 #include <condition_variable>
 #include <mutex>
 
-#include "runtime/cuda/cuda_api.h"
-#include "runtime/error.h"
-#include "runtime/task_queue.h"
+#include "tandem/runtime/cuda/cuda_api.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/task_queue.h"
 
 namespace tandem {
 namespace detail {

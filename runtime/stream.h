@@ -39,8 +39,8 @@
 #include <memory>
 #include <string>
 
-#include "runtime/config.h"
-#include "runtime/device.h"
+#include "tandem/runtime/config.h"
+#include "tandem/runtime/device.h"
 
 namespace tandem {
 

@@ -1,4 +1,4 @@
-#include "runtime/task_queue.h"
+#include "tandem/runtime/task_queue.h"
 
 #include <condition_variable>
 #include <cstdint>
@@ -6,8 +6,8 @@
 #include <exception>
 #include <mutex>
 
-#include "runtime/config.h"
-#include "runtime/error.h"
+#include "tandem/runtime/config.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 

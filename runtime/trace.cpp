@@ -1,4 +1,4 @@
-#include "runtime/trace.h"
+#include "tandem/runtime/trace.h"
 
 #include <fmt/format.h>
 
@@ -9,8 +9,8 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/error.h"
-#include "runtime/logging.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
 
 namespace tandem {
 namespace detail {

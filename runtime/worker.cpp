@@ -1,6 +1,6 @@
-#include "runtime/worker.h"
+#include "tandem/runtime/worker.h"
 
-#include "runtime/logging.h"
+#include "tandem/runtime/logging.h"
 
 namespace tandem {
 

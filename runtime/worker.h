@@ -9,8 +9,8 @@
 #include <memory>
 #include <string>
 
-#include "runtime/stream.h"
-#include "runtime/task_queue.h"
+#include "tandem/runtime/stream.h"
+#include "tandem/runtime/task_queue.h"
 
 namespace tandem {
 

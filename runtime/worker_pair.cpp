@@ -1,4 +1,4 @@
-#include "runtime/worker_pair.h"
+#include "tandem/runtime/worker_pair.h"
 
 #include <atomic>
 #include <cstdlib>
@@ -6,9 +6,9 @@
 #include <mutex>
 #include <string>
 
-#include "runtime/config.h"
-#include "runtime/error.h"
-#include "runtime/logging.h"
+#include "tandem/runtime/config.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
 
 namespace tandem {
 

@@ -21,8 +21,8 @@
 #include <memory>
 #include <string>
 
-#include "runtime/stream.h"
-#include "runtime/worker.h"
+#include "tandem/runtime/stream.h"
+#include "tandem/runtime/worker.h"
 
 namespace tandem {
 

@@ -11,9 +11,9 @@
 
 #include <utility>
 
-#include "runtime/stream.h"
-#include "tensor/kernels.h"
-#include "tensor/tensor.h"
+#include "tandem/runtime/stream.h"
+#include "tandem/tensor/kernels.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem::detail {
 

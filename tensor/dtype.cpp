@@ -1,4 +1,4 @@
-#include "tensor/dtype.h"
+#include "tandem/tensor/dtype.h"
 
 namespace tandem {
 

@@ -7,8 +7,8 @@
 #include <string>
 #include <type_traits>
 
-#include "runtime/error.h"
-#include "tensor/half.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/half.h"
 
 namespace tandem {
 

@@ -9,8 +9,8 @@
 
 #include <cstdint>
 
-#include "tensor/dtype.h"
-#include "tensor/shape.h"
+#include "tandem/tensor/dtype.h"
+#include "tandem/tensor/shape.h"
 
 namespace tandem {
 

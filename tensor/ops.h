@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "tensor/random.h"
-#include "tensor/tensor.h"
+#include "tandem/tensor/random.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem {
 

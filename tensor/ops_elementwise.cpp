@@ -6,8 +6,8 @@
 #include <cmath>
 #include <iterator>
 
-#include "tensor/dispatch.h"
-#include "tensor/ops.h"
+#include "tandem/tensor/dispatch.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem::ops {
 

@@ -1,9 +1,9 @@
 // Front ends: factories, copies, casts, device moves, cat/stack.
 #include <cstring>
 
-#include "runtime/cuda/cuda_api.h"
-#include "tensor/dispatch.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/cuda/cuda_api.h"
+#include "tandem/tensor/dispatch.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem::ops {
 

@@ -10,9 +10,9 @@
 #include <algorithm>
 #include <mutex>
 
-#include "tensor/cpu/parallel.h"
-#include "tensor/dispatch.h"
-#include "tensor/ops.h"
+#include "tandem/tensor/cpu/parallel.h"
+#include "tandem/tensor/dispatch.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem::ops {
 

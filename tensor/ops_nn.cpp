@@ -11,9 +11,9 @@
 #include <cmath>
 #include <limits>
 
-#include "tensor/dispatch.h"
-#include "tensor/kernels.h"
-#include "tensor/ops.h"
+#include "tandem/tensor/dispatch.h"
+#include "tandem/tensor/kernels.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem::ops {
 namespace {

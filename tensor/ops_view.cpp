@@ -2,7 +2,7 @@
 // new shape/strides/offset; reshape() and contiguous() are the only copies.
 #include <algorithm>
 
-#include "tensor/ops.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem::ops {
 namespace {

@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "tensor/half.h"
+#include "tandem/tensor/half.h"
 
 namespace tandem {
 

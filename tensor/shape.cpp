@@ -1,4 +1,4 @@
-#include "tensor/shape.h"
+#include "tandem/tensor/shape.h"
 
 namespace tandem {
 

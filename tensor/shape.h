@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 

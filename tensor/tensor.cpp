@@ -1,11 +1,11 @@
-#include "tensor/tensor.h"
+#include "tandem/tensor/tensor.h"
 
 #include <cstring>
 
-#include "runtime/cuda/cuda_api.h"
-#include "tensor/dispatch.h"
-#include "tensor/kernels.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/cuda/cuda_api.h"
+#include "tandem/tensor/dispatch.h"
+#include "tandem/tensor/kernels.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 

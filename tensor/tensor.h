@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "runtime/allocator.h"
-#include "runtime/device.h"
-#include "runtime/stream.h"
-#include "tensor/dtype.h"
-#include "tensor/shape.h"
+#include "tandem/runtime/allocator.h"
+#include "tandem/runtime/device.h"
+#include "tandem/runtime/stream.h"
+#include "tandem/tensor/dtype.h"
+#include "tandem/tensor/shape.h"
 
 namespace tandem {
 

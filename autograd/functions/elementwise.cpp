@@ -3,9 +3,9 @@
 // casts back to each input's dtype.
 #include <cmath>
 
-#include "autograd/checkpoint.h"
-#include "autograd/functions/node_name.h"
-#include "autograd/ops.h"
+#include "tandem/autograd/checkpoint.h"
+#include "tandem/autograd/functions/node_name.h"
+#include "tandem/autograd/ops.h"
 
 namespace tandem {
 namespace {

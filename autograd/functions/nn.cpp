@@ -2,8 +2,8 @@
 #include <cmath>
 #include <limits>
 
-#include "autograd/functions/node_name.h"
-#include "autograd/ops.h"
+#include "tandem/autograd/functions/node_name.h"
+#include "tandem/autograd/ops.h"
 
 namespace tandem {
 

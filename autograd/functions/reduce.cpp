@@ -1,8 +1,8 @@
 // Differentiable reductions, cumsum and softmax.
 #include <algorithm>
 
-#include "autograd/functions/node_name.h"
-#include "autograd/ops.h"
+#include "tandem/autograd/functions/node_name.h"
+#include "tandem/autograd/ops.h"
 
 namespace tandem {
 namespace {

@@ -1,8 +1,8 @@
 // Differentiable views and copies. A view's backward maps the output gradient
 // back to the input's shape: reshape back, permute back, or scatter into zeros
 // at the viewed position (narrow/slice/select), or sum (expand).
-#include "autograd/functions/node_name.h"
-#include "autograd/ops.h"
+#include "tandem/autograd/functions/node_name.h"
+#include "tandem/autograd/ops.h"
 
 namespace tandem {
 namespace {

@@ -1,7 +1,7 @@
-#include "autograd/nn/attention.h"
+#include "tandem/autograd/nn/attention.h"
 
-#include "autograd/ops.h"
-#include "runtime/error.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::nn {
 namespace {

@@ -14,9 +14,9 @@
 #include <functional>
 #include <memory>
 
-#include "autograd/module.h"
-#include "autograd/nn/linear.h"
-#include "tensor/ops.h"
+#include "tandem/autograd/module.h"
+#include "tandem/autograd/nn/linear.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem::nn {
 

@@ -1,6 +1,6 @@
-#include "autograd/nn/container.h"
+#include "tandem/autograd/nn/container.h"
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::nn {
 

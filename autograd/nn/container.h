@@ -7,8 +7,8 @@
 #include <memory>
 #include <vector>
 
-#include "autograd/module.h"
-#include "tensor/random.h"
+#include "tandem/autograd/module.h"
+#include "tandem/tensor/random.h"
 
 namespace tandem::nn {
 

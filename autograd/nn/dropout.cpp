@@ -1,8 +1,8 @@
-#include "autograd/nn/dropout.h"
+#include "tandem/autograd/nn/dropout.h"
 
-#include "autograd/nn/container.h"
-#include "autograd/ops.h"
-#include "runtime/error.h"
+#include "tandem/autograd/nn/container.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::nn {
 namespace {

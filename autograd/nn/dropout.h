@@ -11,9 +11,9 @@
 #include <cstdint>
 #include <mutex>
 
-#include "autograd/module.h"
-#include "autograd/nn/container.h"
-#include "tensor/random.h"
+#include "tandem/autograd/module.h"
+#include "tandem/autograd/nn/container.h"
+#include "tandem/tensor/random.h"
 
 namespace tandem::nn {
 

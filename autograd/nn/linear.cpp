@@ -1,10 +1,10 @@
-#include "autograd/nn/linear.h"
+#include "tandem/autograd/nn/linear.h"
 
 #include <cmath>
 
-#include "autograd/init.h"
-#include "autograd/ops.h"
-#include "runtime/error.h"
+#include "tandem/autograd/init.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::nn {
 

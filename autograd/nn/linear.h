@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <memory>
 
-#include "autograd/nn/container.h"
-#include "tensor/random.h"
+#include "tandem/autograd/nn/container.h"
+#include "tandem/tensor/random.h"
 
 namespace tandem::nn {
 

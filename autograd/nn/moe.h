@@ -26,9 +26,9 @@
 #include <memory>
 #include <vector>
 
-#include "autograd/module.h"
-#include "autograd/nn/container.h"
-#include "autograd/nn/linear.h"
+#include "tandem/autograd/module.h"
+#include "tandem/autograd/nn/container.h"
+#include "tandem/autograd/nn/linear.h"
 
 namespace tandem::nn {
 

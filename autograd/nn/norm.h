@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <memory>
 
-#include "autograd/module.h"
-#include "autograd/nn/container.h"
+#include "tandem/autograd/module.h"
+#include "tandem/autograd/nn/container.h"
 
 namespace tandem::nn {
 

@@ -1,7 +1,7 @@
-#include "autograd/nn/transformer.h"
+#include "tandem/autograd/nn/transformer.h"
 
-#include "autograd/ops.h"
-#include "runtime/error.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::nn {
 

@@ -10,12 +10,12 @@
 #include <cstdint>
 #include <memory>
 
-#include "autograd/module.h"
-#include "autograd/nn/attention.h"
-#include "autograd/nn/container.h"
-#include "autograd/nn/linear.h"
-#include "autograd/nn/moe.h"
-#include "autograd/nn/norm.h"
+#include "tandem/autograd/module.h"
+#include "tandem/autograd/nn/attention.h"
+#include "tandem/autograd/nn/container.h"
+#include "tandem/autograd/nn/linear.h"
+#include "tandem/autograd/nn/moe.h"
+#include "tandem/autograd/nn/norm.h"
 
 namespace tandem::nn {
 

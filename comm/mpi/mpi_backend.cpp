@@ -1,15 +1,15 @@
 // MpiProcessGroup, mpi_world and mpi_finalize (mpi_backend.h). The tasks a
 // launch becomes are in mpi_tasks.cpp; the executor that runs them in
 // mpi_executor.cpp.
-#include "comm/mpi/mpi_backend.h"
+#include "tandem/comm/mpi/mpi_backend.h"
 
 #include <cstdlib>
 #include <numeric>
 
-#include "comm/mpi/mpi_check.h"
-#include "comm/mpi/mpi_group.h"
-#include "runtime/config.h"
-#include "runtime/logging.h"
+#include "tandem/comm/mpi/mpi_check.h"
+#include "tandem/comm/mpi/mpi_group.h"
+#include "tandem/runtime/config.h"
+#include "tandem/runtime/logging.h"
 
 namespace tandem {
 namespace mpi {

@@ -26,7 +26,7 @@
 // parent's earlier collectives have completed.
 #pragma once
 
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 
 namespace tandem {
 

@@ -1,5 +1,5 @@
 // The fingerprint board (Note [MPI fingerprint board] in mpi_board.h).
-#include "comm/mpi/mpi_board.h"
+#include "tandem/comm/mpi/mpi_board.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -1,5 +1,5 @@
 // MPI error strings and the dtype -> MPI datatype mapping (mpi_check.h).
-#include "comm/mpi/mpi_check.h"
+#include "tandem/comm/mpi/mpi_check.h"
 
 #include <climits>
 

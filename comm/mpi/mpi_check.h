@@ -9,9 +9,9 @@
 
 #include <string>
 
-#include "comm/types.h"
-#include "runtime/error.h"
-#include "tensor/dtype.h"
+#include "tandem/comm/types.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/dtype.h"
 
 namespace tandem::mpi {
 

@@ -1,12 +1,12 @@
 // The MPI executor thread and the process-wide MPI state (Note [One MPI executor]).
-#include "comm/mpi/mpi_executor.h"
+#include "tandem/comm/mpi/mpi_executor.h"
 
 #include <algorithm>
 
-#include "comm/mpi/mpi_check.h"
-#include "comm/work.h"
-#include "runtime/error.h"
-#include "runtime/logging.h"
+#include "tandem/comm/mpi/mpi_check.h"
+#include "tandem/comm/work.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
 
 namespace tandem::mpi {
 namespace {

@@ -88,7 +88,7 @@
 #include <thread>
 #include <vector>
 
-#include "tensor/tensor.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem::mpi {
 

@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "comm/mpi/mpi_board.h"
-#include "comm/mpi/mpi_executor.h"
-#include "comm/process_group.h"
+#include "tandem/comm/mpi/mpi_board.h"
+#include "tandem/comm/mpi/mpi_executor.h"
+#include "tandem/comm/process_group.h"
 
 namespace tandem::mpi {
 

@@ -1,8 +1,8 @@
 // The MPI backend in a build without MPI (Meson compiles this file instead of
 // mpi_backend.cpp; STYLE: a stub per missing dependency).
-#include "comm/mpi/mpi_backend.h"
+#include "tandem/comm/mpi/mpi_backend.h"
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 

@@ -19,12 +19,12 @@
 
 #include <fmt/ranges.h>
 
-#include "comm/mpi/mpi_check.h"
-#include "comm/mpi/mpi_group.h"
-#include "runtime/config.h"
-#include "runtime/logging.h"
-#include "runtime/trace.h"
-#include "tensor/kernels.h"
+#include "tandem/comm/mpi/mpi_check.h"
+#include "tandem/comm/mpi/mpi_group.h"
+#include "tandem/runtime/config.h"
+#include "tandem/runtime/logging.h"
+#include "tandem/runtime/trace.h"
+#include "tandem/tensor/kernels.h"
 
 namespace tandem::mpi {
 namespace {

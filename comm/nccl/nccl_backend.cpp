@@ -1,6 +1,6 @@
 // NcclGroup and nccl_world (nccl_backend.h). The engine thread that makes
 // every NCCL call is in nccl_engine.cpp (Note [NCCL engine]).
-#include "comm/nccl/nccl_backend.h"
+#include "tandem/comm/nccl/nccl_backend.h"
 
 #include <cuda_runtime_api.h>
 #include <unistd.h>
@@ -12,15 +12,15 @@
 
 #include <fmt/ranges.h>
 
-#include "comm/mpi/mpi_backend.h"
-#include "comm/nccl/nccl_check.h"
-#include "comm/nccl/nccl_group.h"
-#include "runtime/config.h"
-#include "runtime/device.h"
-#include "runtime/logging.h"
-#include "tensor/dispatch.h"
-#include "tensor/kernels.h"
-#include "tensor/ops.h"
+#include "tandem/comm/mpi/mpi_backend.h"
+#include "tandem/comm/nccl/nccl_check.h"
+#include "tandem/comm/nccl/nccl_group.h"
+#include "tandem/runtime/config.h"
+#include "tandem/runtime/device.h"
+#include "tandem/runtime/logging.h"
+#include "tandem/tensor/dispatch.h"
+#include "tandem/tensor/kernels.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 namespace nccl {

@@ -18,7 +18,7 @@
 // only.
 #pragma once
 
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 
 namespace tandem {
 

@@ -16,7 +16,7 @@
 
 #include <chrono>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::nccl {
 

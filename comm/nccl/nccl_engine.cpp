@@ -1,14 +1,14 @@
 // The NCCL engine thread (Note [NCCL engine]) and settle() (Note [Bounded NCCL calls]).
-#include "comm/nccl/nccl_engine.h"
+#include "tandem/comm/nccl/nccl_engine.h"
 
 #include <algorithm>
 #include <future>
 
-#include "comm/nccl/nccl_check.h"
-#include "comm/nccl/nccl_group.h"
-#include "runtime/config.h"
-#include "runtime/error.h"
-#include "runtime/logging.h"
+#include "tandem/comm/nccl/nccl_check.h"
+#include "tandem/comm/nccl/nccl_group.h"
+#include "tandem/runtime/config.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
 
 namespace tandem::nccl {
 namespace {

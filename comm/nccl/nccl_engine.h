@@ -31,7 +31,7 @@
 #include <variant>
 #include <vector>
 
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 
 namespace tandem::nccl {
 

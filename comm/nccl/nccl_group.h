@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "comm/nccl/nccl_engine.h"
-#include "comm/process_group.h"
-#include "runtime/stream.h"
+#include "tandem/comm/nccl/nccl_engine.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/runtime/stream.h"
 
 namespace tandem::nccl {
 

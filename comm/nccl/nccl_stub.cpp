@@ -1,8 +1,8 @@
 // The NCCL backend in a build without NCCL (or without the CUDA or MPI it
 // needs). Meson compiles this file instead of nccl_backend.cpp.
-#include "comm/nccl/nccl_backend.h"
+#include "tandem/comm/nccl/nccl_backend.h"
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem {
 

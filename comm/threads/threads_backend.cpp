@@ -1,4 +1,4 @@
-#include "comm/threads/threads_backend.h"
+#include "tandem/comm/threads/threads_backend.h"
 
 #include <algorithm>
 #include <atomic>
@@ -13,12 +13,12 @@
 
 #include <fmt/ranges.h>
 
-#include "comm/threads/threads_group.h"
-#include "runtime/error.h"
-#include "runtime/logging.h"
-#include "runtime/task_queue.h"
-#include "runtime/trace.h"
-#include "tensor/dtype.h"
+#include "tandem/comm/threads/threads_group.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
+#include "tandem/runtime/task_queue.h"
+#include "tandem/runtime/trace.h"
+#include "tandem/tensor/dtype.h"
 
 namespace tandem {
 

@@ -19,7 +19,7 @@
 #include <functional>
 #include <memory>
 
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 
 namespace tandem {
 

@@ -1,5 +1,5 @@
 // SharedGroup's jobs and retirement, and the futex calls (threads_group.h).
-#include "comm/threads/threads_group.h"
+#include "tandem/comm/threads/threads_group.h"
 
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -9,8 +9,8 @@
 #include <ctime>
 #include <utility>
 
-#include "runtime/logging.h"
-#include "runtime/trace.h"
+#include "tandem/runtime/logging.h"
+#include "tandem/runtime/trace.h"
 
 namespace tandem {
 namespace threads_detail {

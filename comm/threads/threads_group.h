@@ -21,7 +21,7 @@
 
 #include <fmt/format.h>
 
-#include "comm/threads/threads_jobs.h"
+#include "tandem/comm/threads/threads_jobs.h"
 
 namespace tandem {
 namespace threads_detail {

@@ -1,5 +1,5 @@
 // The jobs of the threads backend's rounds (threads_jobs.h).
-#include "comm/threads/threads_jobs.h"
+#include "tandem/comm/threads/threads_jobs.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -7,12 +7,12 @@
 
 #include <fmt/format.h>
 
-#include "runtime/cuda/cuda_api.h"
-#include "runtime/error.h"
-#include "runtime/stream.h"
-#include "tensor/cpu/copy_bytes.h"
-#include "tensor/dtype.h"
-#include "tensor/kernels.h"
+#include "tandem/runtime/cuda/cuda_api.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/stream.h"
+#include "tandem/tensor/cpu/copy_bytes.h"
+#include "tandem/tensor/dtype.h"
+#include "tandem/tensor/kernels.h"
 
 namespace tandem::threads_detail {
 

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 
 namespace tandem::threads_detail {
 

@@ -3,7 +3,7 @@
 // installed tandem. The task, predicting the previous token, needs the token
 // that sits on the other context-parallel rank at every shard boundary. Exits
 // non-zero unless the loss falls to half of where it started.
-#include <tandem.h>
+#include <tandem/tandem.h>
 
 #include <atomic>
 #include <cstdio>

@@ -1,7 +1,7 @@
 // A user's model with tandem as a Meson subproject: a two-layer MLP learns to
 // reproduce its input (README, "Writing a model"). Exits non-zero unless the
 // loss falls to a tenth of where it started.
-#include <tandem.h>
+#include <tandem/tandem.h>
 
 #include <cstdio>
 

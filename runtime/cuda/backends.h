@@ -7,7 +7,7 @@
 
 #include <cstddef>
 
-#include "runtime/cuda/cuda_api.h"
+#include "tandem/runtime/cuda/cuda_api.h"
 
 #define TANDEM_DECLARE_CUDA_BACKEND()                                                        \
   using cuda_api::CopyKind;                                                                  \

@@ -1,12 +1,12 @@
 // The run-time choice between the native and the emulated CUDA backend
 // (Note [CUDA backends]); every call forwards to the chosen one.
-#include "runtime/cuda/cuda_api.h"
+#include "tandem/runtime/cuda/cuda_api.h"
 
 #include <cstdlib>
 #include <string>
 
-#include "runtime/cuda/backends.h"
-#include "runtime/error.h"
+#include "tandem/runtime/cuda/backends.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::cuda_api {
 namespace {

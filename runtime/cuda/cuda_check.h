@@ -5,12 +5,12 @@
 #pragma once
 
 #ifdef TANDEM_EMULATED_KERNELS
-#include "runtime/cuda/emulator/kernel_api.h"
+#include "tandem/runtime/cuda/emulator/kernel_api.h"
 #else
 #include <cuda_runtime_api.h>
 #endif
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 #define TANDEM_CUDA_CHECK(expr)                                                   \
   do {                                                                            \

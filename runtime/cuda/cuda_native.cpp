@@ -1,10 +1,10 @@
 // Real CUDA runtime calls, the native backend of runtime/cuda/cuda_api.h (compiled only when
 // nvcc/CUDA is found; Note [CUDA stubs], Note [CUDA backends]).
-#include "runtime/cuda/backends.h"
+#include "tandem/runtime/cuda/backends.h"
 
 #include <cuda_runtime_api.h>
 
-#include "runtime/cuda/cuda_check.h"
+#include "tandem/runtime/cuda/cuda_check.h"
 
 namespace tandem::cuda_backend::native {
 

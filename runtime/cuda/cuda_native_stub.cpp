@@ -1,6 +1,6 @@
 // Compiled instead of cuda_native.cpp when CUDA is not found (Note [CUDA stubs]).
-#include "runtime/cuda/backends.h"
-#include "runtime/error.h"
+#include "tandem/runtime/cuda/backends.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::cuda_backend::native {
 namespace {

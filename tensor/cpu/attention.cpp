@@ -36,9 +36,9 @@
 #include <limits>
 #include <vector>
 
-#include "tensor/cpu/parallel.h"
-#include "tensor/cpu/simd.h"
-#include "tensor/kernels.h"
+#include "tandem/tensor/cpu/parallel.h"
+#include "tandem/tensor/cpu/simd.h"
+#include "tandem/tensor/kernels.h"
 
 namespace tandem::cpu {
 namespace {

@@ -4,10 +4,10 @@
 #include <cmath>
 #include <cstring>
 
-#include "tensor/cpu/copy_bytes.h"
-#include "tensor/cpu/loops.h"
-#include "tensor/kernels.h"
-#include "tensor/random.h"
+#include "tandem/tensor/cpu/copy_bytes.h"
+#include "tandem/tensor/cpu/loops.h"
+#include "tandem/tensor/kernels.h"
+#include "tandem/tensor/random.h"
 
 namespace tandem::cpu {
 namespace {

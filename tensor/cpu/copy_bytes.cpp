@@ -1,4 +1,4 @@
-#include "tensor/cpu/copy_bytes.h"
+#include "tandem/tensor/cpu/copy_bytes.h"
 
 #include <cstring>
 

@@ -8,11 +8,11 @@
 #include <cmath>
 #include <type_traits>
 
-#include "tensor/cpu/loops.h"
-#include "tensor/cpu/parallel.h"
-#include "tensor/cpu/simd.h"
-#include "tensor/kernels.h"
-#include "tensor/random.h"
+#include "tandem/tensor/cpu/loops.h"
+#include "tandem/tensor/cpu/parallel.h"
+#include "tandem/tensor/cpu/simd.h"
+#include "tandem/tensor/kernels.h"
+#include "tandem/tensor/random.h"
 
 namespace tandem::cpu {
 namespace {

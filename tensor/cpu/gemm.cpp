@@ -45,9 +45,9 @@
 #include <immintrin.h>
 #endif
 
-#include "tensor/cpu/parallel.h"
-#include "tensor/cpu/simd.h"
-#include "tensor/kernels.h"
+#include "tandem/tensor/cpu/parallel.h"
+#include "tandem/tensor/cpu/simd.h"
+#include "tandem/tensor/kernels.h"
 
 namespace tandem::cpu {
 namespace {

@@ -10,7 +10,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "tensor/kernels.h"
+#include "tandem/tensor/kernels.h"
 
 namespace tandem::cpu {
 namespace {

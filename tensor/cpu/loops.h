@@ -9,7 +9,7 @@
 #include <array>
 #include <cstdint>
 
-#include "tensor/kernels.h"
+#include "tandem/tensor/kernels.h"
 
 namespace tandem::cpu {
 

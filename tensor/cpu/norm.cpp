@@ -26,10 +26,10 @@
 #include <cmath>
 #include <vector>
 
-#include "tensor/cpu/cascade.h"
-#include "tensor/cpu/parallel.h"
-#include "tensor/cpu/simd.h"
-#include "tensor/kernels.h"
+#include "tandem/tensor/cpu/cascade.h"
+#include "tandem/tensor/cpu/parallel.h"
+#include "tandem/tensor/cpu/simd.h"
+#include "tandem/tensor/kernels.h"
 
 namespace tandem::cpu {
 namespace {

@@ -12,8 +12,8 @@
 // the region's fields. All of these atomics are sequentially consistent: the
 // argument needs a worker's increment of running_ to be ordered before its
 // claim, and the caller's close before its read of running_.
-#include "tensor/cpu/parallel.h"
-#include "tensor/cpu/simd.h"
+#include "tandem/tensor/cpu/parallel.h"
+#include "tandem/tensor/cpu/simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>

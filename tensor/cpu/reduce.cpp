@@ -10,9 +10,9 @@
 #include <limits>
 #include <vector>
 
-#include "tensor/cpu/cascade.h"
-#include "tensor/cpu/parallel.h"
-#include "tensor/kernels.h"
+#include "tandem/tensor/cpu/cascade.h"
+#include "tandem/tensor/cpu/parallel.h"
+#include "tandem/tensor/kernels.h"
 
 namespace tandem::cpu {
 namespace {

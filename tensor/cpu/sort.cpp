@@ -13,7 +13,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "tensor/kernels.h"
+#include "tandem/tensor/kernels.h"
 
 namespace tandem::cpu {
 namespace {

@@ -38,7 +38,7 @@
 //   atomics because their block visits every query row that sees its keys.
 // - Rows that see no key get a zero output, lse = -inf and zero gradients,
 //   as on the CPU; a row whose given lse is -inf contributes no gradient.
-#include "tensor/cuda/cuda_common.cuh"
+#include "tandem/tensor/cuda/cuda_common.cuh"
 
 namespace tandem::TANDEM_KERNEL_SET {
 namespace {

@@ -2,8 +2,8 @@
 // of the live CUDA backend (Note [Two kernel compilations] in
 // tensor/cuda/cuda_common.cuh, Note [CUDA backends] in runtime/cuda/cuda_api.h):
 // the emulated compilation when the device is emulated, nvcc's otherwise.
-#include "runtime/cuda/cuda_api.h"
-#include "tensor/cuda/kernel_sets.h"
+#include "tandem/runtime/cuda/cuda_api.h"
+#include "tandem/tensor/cuda/kernel_sets.h"
 
 namespace tandem::cuda {
 

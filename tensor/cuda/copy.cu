@@ -12,8 +12,8 @@
 // build (g++ -O3 -march=native, whose default -ffp-contract=fast) compiles each
 // of these into one fused multiply-add, so the kernels call fma explicitly
 // rather than leaving the choice to nvcc's contraction.
-#include "tensor/cuda/cuda_common.cuh"
-#include "tensor/random.h"
+#include "tandem/tensor/cuda/cuda_common.cuh"
+#include "tandem/tensor/random.h"
 
 namespace tandem::TANDEM_KERNEL_SET {
 namespace {

@@ -44,7 +44,7 @@
 #endif
 
 #ifdef TANDEM_EMULATED_KERNELS
-#include "runtime/cuda/emulator/kernel_api.h"
+#include "tandem/runtime/cuda/emulator/kernel_api.h"
 #define TANDEM_KERNEL_SET cuda_kernels::emulated
 #define TANDEM_UNROLL  // nvcc's hint; g++ before 13 cannot be told to ignore `#pragma unroll`
 #else
@@ -62,11 +62,11 @@
 #include <type_traits>
 #include <utility>
 
-#include "runtime/cuda/cuda_check.h"
-#include "tensor/cuda/kernel_sets.h"
-#include "tensor/dtype.h"
-#include "tensor/half.h"
-#include "tensor/kernels.h"
+#include "tandem/runtime/cuda/cuda_check.h"
+#include "tandem/tensor/cuda/kernel_sets.h"
+#include "tandem/tensor/dtype.h"
+#include "tandem/tensor/half.h"
+#include "tandem/tensor/kernels.h"
 
 namespace tandem::TANDEM_KERNEL_SET::detail {
 

@@ -5,8 +5,8 @@
 // these memory-bound loops. Inputs may be strided or broadcast (stride 0);
 // outputs are contiguous. The CPU backend (tensor/cpu/elementwise.cpp) is the
 // reference: same compute types, same formulas.
-#include "tensor/cuda/cuda_common.cuh"
-#include "tensor/random.h"
+#include "tandem/tensor/cuda/cuda_common.cuh"
+#include "tandem/tensor/random.h"
 
 namespace tandem::TANDEM_KERNEL_SET {
 namespace {

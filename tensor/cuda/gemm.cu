@@ -17,8 +17,8 @@
 #include <memory>
 #include <unordered_map>
 
-#include "tensor/cuda/cuda_common.cuh"
-#include "tensor/cuda/gemm_shape.h"
+#include "tandem/tensor/cuda/cuda_common.cuh"
+#include "tandem/tensor/cuda/gemm_shape.h"
 
 #define TANDEM_CUBLAS_CHECK(expr)                                                                 \
   do {                                                                                            \

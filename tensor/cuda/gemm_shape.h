@@ -7,7 +7,7 @@
 #include <climits>
 #include <cstdint>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::gemm_shape {
 

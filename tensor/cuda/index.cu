@@ -24,7 +24,7 @@
 // would poison the CUDA context for the whole process. So an index outside
 // [0, n) is never dereferenced: index_select and gather write 0 there,
 // scatter_add skips it, one_hot leaves the row zero.
-#include "tensor/cuda/cuda_common.cuh"
+#include "tandem/tensor/cuda/cuda_common.cuh"
 
 namespace tandem::TANDEM_KERNEL_SET {
 namespace {

@@ -4,7 +4,7 @@
 // forwards the tandem::cuda kernels of tensor/kernels.h to one of them.
 #pragma once
 
-#include "tensor/kernels.h"
+#include "tandem/tensor/kernels.h"
 
 namespace tandem::cuda_kernels::native {
 TANDEM_DECLARE_KERNELS(, void* stream)

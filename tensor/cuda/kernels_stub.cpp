@@ -5,8 +5,8 @@
 // tensor can live on a device whose backend is absent (Device::cuda fails
 // first), so these are reached only through a front end that skipped its
 // device check.
-#include "runtime/error.h"
-#include "tensor/cuda/kernel_sets.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/cuda/kernel_sets.h"
 
 #ifndef TANDEM_KERNEL_SET
 #define TANDEM_KERNEL_SET cuda_kernels::native

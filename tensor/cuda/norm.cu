@@ -7,7 +7,7 @@
 // which cancels catastrophically for rows with a large mean. Every sum adds
 // through a CascadeSum per thread and block_reduce's tree
 // (Note [Cascade summation]).
-#include "tensor/cuda/cuda_common.cuh"
+#include "tandem/tensor/cuda/cuda_common.cuh"
 
 namespace tandem::TANDEM_KERNEL_SET {
 namespace {

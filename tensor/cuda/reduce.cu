@@ -15,7 +15,7 @@
 // exactly.
 #include <limits>
 
-#include "tensor/cuda/cuda_common.cuh"
+#include "tandem/tensor/cuda/cuda_common.cuh"
 
 namespace tandem::TANDEM_KERNEL_SET {
 namespace {

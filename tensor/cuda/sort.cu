@@ -13,7 +13,7 @@
 // Rows that fit in shared memory are sorted by one block each; longer rows are
 // sorted in global memory, one launch per network stage across all rows,
 // permuting an index array and reading keys through it. topk keeps the first k.
-#include "tensor/cuda/cuda_common.cuh"
+#include "tandem/tensor/cuda/cuda_common.cuh"
 
 namespace tandem::TANDEM_KERNEL_SET {
 namespace {

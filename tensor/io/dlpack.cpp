@@ -1,5 +1,5 @@
 // DLPack export and import (tensor/io/dlpack.h, Note [DLPack ownership]).
-#include "tensor/io/dlpack.h"
+#include "tandem/tensor/io/dlpack.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -8,7 +8,7 @@
 #include <optional>
 #include <string>
 
-#include "runtime/stream.h"
+#include "tandem/runtime/stream.h"
 
 namespace tandem {
 namespace {

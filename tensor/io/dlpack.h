@@ -28,7 +28,7 @@
 
 #include <dlpack/dlpack.h>
 
-#include "tensor/tensor.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem {
 

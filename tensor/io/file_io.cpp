@@ -1,6 +1,6 @@
 // File helpers shared by the safetensors code and the checkpoints
 // (tensor/io/file_io.h): exact reads, the atomic file write and CRC-32C.
-#include "tensor/io/file_io.h"
+#include "tandem/tensor/io/file_io.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -13,7 +13,7 @@
 #include <filesystem>
 #include <system_error>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 #if defined(__SSE4_2__)
 #include <nmmintrin.h>

@@ -1,7 +1,7 @@
 // safetensors reader and writer (tensor/io/safetensors.h). Validation follows the reference Rust
 // implementation and adds what it leaves to serde (exact fields, duplicate keys) plus the checksum
 // of Note [Safetensors checksum].
-#include "tensor/io/safetensors.h"
+#include "tandem/tensor/io/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -23,7 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "tensor/ops.h"
+#include "tandem/tensor/ops.h"
 
 // The data section is little-endian and read by memcpy into tensors.
 static_assert(std::endian::native == std::endian::little,

@@ -32,8 +32,8 @@
 #include <utility>
 #include <vector>
 
-#include "tensor/io/file_io.h"
-#include "tensor/tensor.h"
+#include "tandem/tensor/io/file_io.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem {
 

@@ -18,12 +18,12 @@
 #include <thread>
 #include <vector>
 
-#include "autograd/checkpoint.h"
-#include "autograd/engine.h"
-#include "autograd/module.h"
-#include "autograd/ops.h"
-#include "runtime/error.h"
-#include "runtime/worker_pair.h"
+#include "tandem/autograd/checkpoint.h"
+#include "tandem/autograd/engine.h"
+#include "tandem/autograd/module.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/worker_pair.h"
 #include "tests/support/autograd_util.h"
 #include "tests/support/test_util.h"
 

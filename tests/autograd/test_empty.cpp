@@ -17,12 +17,12 @@
 #include <string>
 #include <vector>
 
-#include "autograd/nn/attention.h"
-#include "autograd/nn/linear.h"
-#include "autograd/nn/moe.h"
-#include "autograd/nn/norm.h"
-#include "autograd/nn/transformer.h"
-#include "autograd/ops.h"
+#include "tandem/autograd/nn/attention.h"
+#include "tandem/autograd/nn/linear.h"
+#include "tandem/autograd/nn/moe.h"
+#include "tandem/autograd/nn/norm.h"
+#include "tandem/autograd/nn/transformer.h"
+#include "tandem/autograd/ops.h"
 #include "tests/support/autograd_util.h"
 
 using namespace tandem;

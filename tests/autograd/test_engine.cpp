@@ -16,11 +16,11 @@
 #include <thread>
 #include <vector>
 
-#include "autograd/engine.h"
-#include "autograd/function.h"
-#include "autograd/ops.h"
-#include "runtime/error.h"
-#include "runtime/stream.h"
+#include "tandem/autograd/engine.h"
+#include "tandem/autograd/function.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/stream.h"
 #include "tests/support/autograd_util.h"
 #include "tests/support/test_util.h"
 

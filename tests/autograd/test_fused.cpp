@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "autograd/ops.h"
-#include "runtime/device.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/runtime/device.h"
 #include "tests/support/autograd_util.h"
 #include "tests/support/skip_cuda.h"
 #include "tests/support/test_util.h"

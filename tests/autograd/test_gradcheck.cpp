@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "autograd/function.h"
-#include "autograd/gradcheck.h"
-#include "autograd/ops.h"
+#include "tandem/autograd/function.h"
+#include "tandem/autograd/gradcheck.h"
+#include "tandem/autograd/ops.h"
 #include "tests/support/autograd_util.h"
 #include "tests/support/test_util.h"
 

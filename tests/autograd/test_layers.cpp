@@ -10,14 +10,14 @@
 #include <functional>
 #include <numeric>
 
-#include "autograd/gradcheck.h"
-#include "autograd/init.h"
-#include "autograd/nn/attention.h"
-#include "autograd/nn/linear.h"
-#include "autograd/nn/moe.h"
-#include "autograd/nn/norm.h"
-#include "autograd/nn/transformer.h"
-#include "autograd/ops.h"
+#include "tandem/autograd/gradcheck.h"
+#include "tandem/autograd/init.h"
+#include "tandem/autograd/nn/attention.h"
+#include "tandem/autograd/nn/linear.h"
+#include "tandem/autograd/nn/moe.h"
+#include "tandem/autograd/nn/norm.h"
+#include "tandem/autograd/nn/transformer.h"
+#include "tandem/autograd/ops.h"
 
 using namespace tandem;
 using Vec = std::vector<double>;

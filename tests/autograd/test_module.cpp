@@ -10,15 +10,15 @@
 #include <string>
 #include <vector>
 
-#include "autograd/module.h"
-#include "autograd/nn/attention.h"
-#include "autograd/nn/dropout.h"
-#include "autograd/nn/linear.h"
-#include "autograd/nn/moe.h"
-#include "autograd/nn/norm.h"
-#include "autograd/ops.h"
-#include "autograd/optim.h"
-#include "runtime/error.h"
+#include "tandem/autograd/module.h"
+#include "tandem/autograd/nn/attention.h"
+#include "tandem/autograd/nn/dropout.h"
+#include "tandem/autograd/nn/linear.h"
+#include "tandem/autograd/nn/moe.h"
+#include "tandem/autograd/nn/norm.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/autograd/optim.h"
+#include "tandem/runtime/error.h"
 #include "tests/support/autograd_util.h"
 #include "tests/support/test_util.h"
 

@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "autograd/checkpoint.h"
-#include "autograd/nn/dropout.h"
-#include "autograd/ops.h"
+#include "tandem/autograd/checkpoint.h"
+#include "tandem/autograd/nn/dropout.h"
+#include "tandem/autograd/ops.h"
 #include "tests/support/autograd_util.h"
 #include "tests/support/test_util.h"
 

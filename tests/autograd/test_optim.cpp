@@ -3,9 +3,9 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 
-#include "autograd/nn/linear.h"
-#include "autograd/ops.h"
-#include "autograd/optim.h"
+#include "tandem/autograd/nn/linear.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/autograd/optim.h"
 
 using namespace tandem;
 using Vec = std::vector<double>;

@@ -5,11 +5,11 @@
 #include <cmath>
 #include <iostream>
 
-#include "autograd/nn/linear.h"
-#include "autograd/nn/transformer.h"
-#include "autograd/ops.h"
-#include "autograd/optim.h"
-#include "runtime/device.h"
+#include "tandem/autograd/nn/linear.h"
+#include "tandem/autograd/nn/transformer.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/autograd/optim.h"
+#include "tandem/runtime/device.h"
 #include "tests/support/skip_cuda.h"
 
 using namespace tandem;

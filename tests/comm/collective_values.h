@@ -12,7 +12,7 @@
 
 #include <fmt/ranges.h>
 
-#include "comm/process_group.h"
+#include "tandem/comm/process_group.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_util.h"
 

@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "comm/threads/threads_backend.h"
+#include "tandem/comm/threads/threads_backend.h"
 #include "tests/support/test_util.h"
 
 namespace tandem {

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "comm/threads/threads_backend.h"
-#include "runtime/stream.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/runtime/stream.h"
 #include "tests/comm/collective_values.h"
 
 namespace tandem {

@@ -10,8 +10,8 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "comm/backend.h"
-#include "comm/nccl/nccl_backend.h"
+#include "tandem/comm/backend.h"
+#include "tandem/comm/nccl/nccl_backend.h"
 #include "tests/comm/mpi/mpi_test_util.h"
 #include "tests/support/test_util.h"
 

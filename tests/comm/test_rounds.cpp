@@ -15,8 +15,8 @@
 #include <thread>
 #include <vector>
 
-#include "comm/threads/threads_backend.h"
-#include "runtime/stream.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/runtime/stream.h"
 #include "tests/comm/collective_values.h"
 
 namespace tandem {

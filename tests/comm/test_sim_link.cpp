@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "comm/sim_link.h"
-#include "comm/threads/threads_backend.h"
-#include "runtime/trace.h"
+#include "tandem/comm/sim_link.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/runtime/trace.h"
 #include "tests/support/test_util.h"
 
 namespace tandem {

@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "comm/threads/threads_backend.h"
-#include "runtime/device.h"
-#include "runtime/stream.h"
-#include "tensor/ops.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/runtime/device.h"
+#include "tandem/runtime/stream.h"
+#include "tandem/tensor/ops.h"
 #include "tests/comm/collective_values.h"
 #include "tests/support/skip_cuda.h"
 

@@ -14,11 +14,11 @@
 #include <fstream>
 #include <iostream>
 
-#include "comm/threads/threads_backend.h"
-#include "parallel/checkpoint.h"
-#include "parallel/placement.h"
-#include "tensor/io/safetensors.h"
-#include "tensor/ops.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/checkpoint.h"
+#include "tandem/parallel/placement.h"
+#include "tandem/tensor/io/safetensors.h"
+#include "tandem/tensor/ops.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_device.h"
 #include "tests/support/test_util.h"

@@ -3,11 +3,11 @@
 // the rank threads compute on test::test_device() (tests/support/test_device.h).
 #include <catch2/catch.hpp>
 
-#include "autograd/nn/attention.h"
-#include "autograd/ops.h"
-#include "comm/threads/threads_backend.h"
-#include "parallel/context_parallel.h"
-#include "parallel/tensor_parallel.h"
+#include "tandem/autograd/nn/attention.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/context_parallel.h"
+#include "tandem/parallel/tensor_parallel.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_device.h"
 

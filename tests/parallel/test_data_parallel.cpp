@@ -9,14 +9,14 @@
 
 #include <cmath>
 
-#include "autograd/nn/moe.h"
-#include "autograd/nn/transformer.h"
-#include "autograd/ops.h"
-#include "comm/threads/threads_backend.h"
-#include "parallel/data_parallel.h"
-#include "parallel/expert_parallel.h"
-#include "parallel/param_placement.h"
-#include "parallel/tensor_parallel.h"
+#include "tandem/autograd/nn/moe.h"
+#include "tandem/autograd/nn/transformer.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/data_parallel.h"
+#include "tandem/parallel/expert_parallel.h"
+#include "tandem/parallel/param_placement.h"
+#include "tandem/parallel/tensor_parallel.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_device.h"
 

@@ -9,11 +9,11 @@
 #include <chrono>
 #include <cstring>
 
-#include "autograd/checkpoint.h"
-#include "autograd/nn/transformer.h"
-#include "autograd/ops.h"
-#include "comm/threads/threads_backend.h"
-#include "parallel/dual_pipe.h"
+#include "tandem/autograd/checkpoint.h"
+#include "tandem/autograd/nn/transformer.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/dual_pipe.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_device.h"
 

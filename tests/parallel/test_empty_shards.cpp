@@ -10,11 +10,11 @@
 
 #include <cmath>
 
-#include "autograd/nn/attention.h"
-#include "autograd/ops.h"
-#include "comm/threads/threads_backend.h"
-#include "parallel/context_parallel.h"
-#include "parallel/dtensor_ops.h"
+#include "tandem/autograd/nn/attention.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/context_parallel.h"
+#include "tandem/parallel/dtensor_ops.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_device.h"
 

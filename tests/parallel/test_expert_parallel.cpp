@@ -15,11 +15,11 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/function.h"
-#include "autograd/nn/moe.h"
-#include "autograd/ops.h"
-#include "comm/threads/threads_backend.h"
-#include "parallel/expert_parallel.h"
+#include "tandem/autograd/function.h"
+#include "tandem/autograd/nn/moe.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/expert_parallel.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_device.h"
 

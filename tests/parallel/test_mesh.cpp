@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "comm/threads/threads_backend.h"
-#include "parallel/device_mesh.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/device_mesh.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_device.h"
 #include "tests/support/test_util.h"

@@ -34,10 +34,10 @@
 #include <string>
 #include <vector>
 
-#include "autograd/engine.h"
-#include "autograd/ops.h"
-#include "comm/threads/threads_backend.h"
-#include "parallel/dtensor.h"
+#include "tandem/autograd/engine.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/dtensor.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_device.h"
 #include "tests/support/test_util.h"

@@ -6,8 +6,8 @@
 
 #include <functional>
 
-#include "comm/threads/threads_backend.h"
-#include "parallel/dtensor.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/dtensor.h"
 #include "tests/support/test_device.h"
 
 namespace tandem {

@@ -6,11 +6,11 @@
 // sharded, and their results are read back on the CPU.
 #include <catch2/catch.hpp>
 
-#include "autograd/nn/transformer.h"
-#include "autograd/ops.h"
-#include "comm/threads/threads_backend.h"
-#include "parallel/dtensor_ops.h"
-#include "parallel/tensor_parallel.h"
+#include "tandem/autograd/nn/transformer.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/dtensor_ops.h"
+#include "tandem/parallel/tensor_parallel.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_device.h"
 

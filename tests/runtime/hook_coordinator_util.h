@@ -19,11 +19,11 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/error.h"
-#include "runtime/hook_coordinator.h"
-#include "runtime/recompute_flag.h"
-#include "runtime/trace.h"
-#include "runtime/worker_pair.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/hook_coordinator.h"
+#include "tandem/runtime/recompute_flag.h"
+#include "tandem/runtime/trace.h"
+#include "tandem/runtime/worker_pair.h"
 
 namespace tandem {
 

@@ -10,9 +10,9 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/allocator.h"
-#include "runtime/error.h"
-#include "runtime/stream.h"
+#include "tandem/runtime/allocator.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/stream.h"
 #include "tests/support/test_util.h"
 
 using namespace tandem;

@@ -21,13 +21,13 @@
 #include <string>
 #include <vector>
 
-#include "runtime/cuda/backends.h"
-#include "runtime/cuda/cuda_api.h"
-#include "runtime/device.h"
-#include "runtime/error.h"
-#include "runtime/stream.h"
+#include "tandem/runtime/cuda/backends.h"
+#include "tandem/runtime/cuda/cuda_api.h"
+#include "tandem/runtime/device.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/stream.h"
 // Last: it defines threadIdx, __global__ and the other CUDA names.
-#include "runtime/cuda/emulator/kernel_api.h"
+#include "tandem/runtime/cuda/emulator/kernel_api.h"
 
 extern char** environ;
 

@@ -19,12 +19,12 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/device.h"
-#include "runtime/error.h"
-#include "runtime/logging.h"
-#include "runtime/trace.h"
-#include "runtime/worker.h"
-#include "runtime/worker_pair.h"
+#include "tandem/runtime/device.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
+#include "tandem/runtime/trace.h"
+#include "tandem/runtime/worker.h"
+#include "tandem/runtime/worker_pair.h"
 #include "tests/support/test_util.h"
 
 using namespace tandem;

@@ -9,8 +9,8 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/error.h"
-#include "runtime/stream.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/stream.h"
 #include "tests/support/test_util.h"
 
 using namespace tandem;

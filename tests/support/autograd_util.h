@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "autograd/gradcheck.h"
-#include "autograd/ops.h"
+#include "tandem/autograd/gradcheck.h"
+#include "tandem/autograd/ops.h"
 #include "tests/support/test_util.h"
 
 namespace tandem::test {

@@ -8,7 +8,7 @@
 
 #include <iostream>
 
-#include "runtime/device.h"
+#include "tandem/runtime/device.h"
 
 #define TANDEM_SKIP_WITHOUT_CUDA()                      \
   do {                                                  \

@@ -10,9 +10,9 @@
 #include <cstdlib>
 #include <string>
 
-#include "runtime/device.h"
-#include "runtime/error.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/device.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem::test {
 

@@ -26,10 +26,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "runtime/config.h"
-#include "tensor/dtype.h"
-#include "tensor/ops.h"
-#include "tensor/tensor.h"
+#include "tandem/runtime/config.h"
+#include "tandem/tensor/dtype.h"
+#include "tandem/tensor/ops.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem::test {
 

@@ -12,8 +12,8 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/stream.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/stream.h"
+#include "tandem/tensor/ops.h"
 #include "tests/support/test_util.h"
 
 using namespace tandem;

@@ -19,10 +19,10 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/device.h"
-#include "runtime/error.h"
-#include "runtime/stream.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/device.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/stream.h"
+#include "tandem/tensor/ops.h"
 #include "tests/support/skip_cuda.h"
 #include "tests/support/test_util.h"
 

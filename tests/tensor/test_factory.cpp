@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "runtime/allocator.h"
-#include "tensor/cpu/copy_bytes.h"
-#include "tensor/ops.h"
-#include "tensor/random.h"
+#include "tandem/runtime/allocator.h"
+#include "tandem/tensor/cpu/copy_bytes.h"
+#include "tandem/tensor/ops.h"
+#include "tandem/tensor/random.h"
 #include "tests/support/test_util.h"
 
 using namespace tandem;

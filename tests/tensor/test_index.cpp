@@ -15,7 +15,7 @@
 #include <random>
 #include <vector>
 
-#include "tensor/ops.h"
+#include "tandem/tensor/ops.h"
 
 using namespace tandem;
 using Catch::Matchers::Contains;

@@ -26,10 +26,10 @@
 
 #include <fmt/ranges.h>
 
-#include "runtime/error.h"
-#include "tensor/io/dlpack.h"
-#include "tensor/io/safetensors.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/io/dlpack.h"
+#include "tandem/tensor/io/safetensors.h"
+#include "tandem/tensor/ops.h"
 #include "tests/support/skip_cuda.h"
 #include "tests/support/test_util.h"
 

@@ -7,7 +7,7 @@
 #include <tuple>
 #include <vector>
 
-#include "tensor/ops.h"
+#include "tandem/tensor/ops.h"
 #include "tests/support/test_util.h"
 
 using namespace tandem;

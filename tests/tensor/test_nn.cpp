@@ -18,9 +18,9 @@
 #include <utility>
 #include <vector>
 
-#include "tensor/cpu/parallel.h"
-#include "tensor/half.h"
-#include "tensor/ops.h"
+#include "tandem/tensor/cpu/parallel.h"
+#include "tandem/tensor/half.h"
+#include "tandem/tensor/ops.h"
 
 using namespace tandem;
 using Catch::Matchers::Contains;

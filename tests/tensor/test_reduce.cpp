@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "tensor/ops.h"
+#include "tandem/tensor/ops.h"
 #include "tests/support/test_util.h"
 
 using namespace tandem;

@@ -19,9 +19,9 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/error.h"
-#include "runtime/logging.h"
-#include "runtime/trace.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
+#include "tandem/runtime/trace.h"
 #include "tools/trace/trace_view.h"
 
 using namespace tandem;

@@ -16,11 +16,11 @@
 #include <set>
 #include <thread>
 
-#include "parallel/checkpoint.h"
-#include "runtime/allocator.h"
-#include "runtime/config.h"
-#include "tensor/io/safetensors.h"
-#include "tensor/ops.h"
+#include "tandem/parallel/checkpoint.h"
+#include "tandem/runtime/allocator.h"
+#include "tandem/runtime/config.h"
+#include "tandem/tensor/io/safetensors.h"
+#include "tandem/tensor/ops.h"
 #include "tests/support/test_device.h"
 #include "tests/support/test_util.h"
 #include "tools/train/model.h"

@@ -14,7 +14,7 @@
 
 #include <unistd.h>
 
-#include "tensor/ops.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem::bench {
 

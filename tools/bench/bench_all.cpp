@@ -28,10 +28,10 @@
 #include <string>
 #include <thread>
 
-#include "comm/backend.h"
-#include "runtime/device.h"
-#include "runtime/error.h"
-#include "tensor/ops.h"
+#include "tandem/comm/backend.h"
+#include "tandem/runtime/device.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/ops.h"
 #include "tools/bench/bench.h"
 
 #ifndef TANDEM_VERSION

@@ -13,7 +13,7 @@
 #include <exception>
 #include <filesystem>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 #include "tools/bench/bench_autograd_workload.h"
 
 namespace tandem::bench::autograd_baselines {

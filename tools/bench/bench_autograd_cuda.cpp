@@ -37,9 +37,9 @@
 #include <string>
 #include <vector>
 
-#include "autograd/ops.h"
-#include "runtime/allocator.h"
-#include "runtime/device.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/runtime/allocator.h"
+#include "tandem/runtime/device.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_autograd_baselines.h"
 #include "tools/bench/bench_autograd_workload.h"

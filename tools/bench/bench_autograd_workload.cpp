@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "runtime/device.h"
-#include "runtime/stream.h"
+#include "tandem/runtime/device.h"
+#include "tandem/runtime/stream.h"
 
 namespace tandem::bench::autograd_workload {
 namespace {

@@ -10,8 +10,8 @@
 #include <functional>
 #include <vector>
 
-#include "autograd/ops.h"
-#include "runtime/device.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/runtime/device.h"
 
 namespace tandem::bench::autograd_workload {
 

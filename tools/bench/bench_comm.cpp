@@ -89,10 +89,10 @@
 #define TANDEM_BENCH_HAVE_MPI 0
 #endif
 
-#include "comm/backend.h"
-#include "comm/threads/threads_backend.h"
-#include "runtime/error.h"
-#include "tensor/ops.h"
+#include "tandem/comm/backend.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/ops.h"
 #include "tools/bench/bench.h"
 
 namespace tandem::bench {

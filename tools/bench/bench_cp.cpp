@@ -66,18 +66,18 @@
 
 #include <fmt/format.h>
 
-#include "autograd/engine.h"
-#include "autograd/nn/attention.h"
-#include "autograd/nn/linear.h"
-#include "autograd/ops.h"
-#include "comm/sim_link.h"
-#include "comm/threads/threads_backend.h"
-#include "parallel/context_parallel.h"
-#include "runtime/allocator.h"
-#include "runtime/error.h"
-#include "runtime/stream.h"
-#include "runtime/trace.h"
-#include "tensor/ops.h"
+#include "tandem/autograd/engine.h"
+#include "tandem/autograd/nn/attention.h"
+#include "tandem/autograd/nn/linear.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/comm/sim_link.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/context_parallel.h"
+#include "tandem/runtime/allocator.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/stream.h"
+#include "tandem/runtime/trace.h"
+#include "tandem/tensor/ops.h"
 #include "tools/bench/bench.h"
 
 namespace tandem::bench {

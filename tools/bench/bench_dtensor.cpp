@@ -27,10 +27,10 @@
 #include <string>
 #include <vector>
 
-#include "comm/threads/threads_backend.h"
-#include "parallel/dtensor.h"
-#include "runtime/stream.h"
-#include "tensor/ops.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/dtensor.h"
+#include "tandem/runtime/stream.h"
+#include "tandem/tensor/ops.h"
 #include "tools/bench/bench.h"
 
 namespace tandem::bench {

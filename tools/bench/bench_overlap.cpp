@@ -72,15 +72,15 @@
 
 #include <fmt/format.h>
 
-#include "autograd/nn/transformer.h"
-#include "autograd/node.h"
-#include "autograd/ops.h"
-#include "comm/sim_link.h"
-#include "comm/threads/threads_backend.h"
-#include "parallel/dual_pipe.h"
-#include "runtime/error.h"
-#include "runtime/trace.h"
-#include "tensor/ops.h"
+#include "tandem/autograd/nn/transformer.h"
+#include "tandem/autograd/node.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/comm/sim_link.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/dual_pipe.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/trace.h"
+#include "tandem/tensor/ops.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_overlap.h"
 

@@ -12,7 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "comm/sim_link.h"
+#include "tandem/comm/sim_link.h"
 
 namespace tandem::bench::overlap {
 

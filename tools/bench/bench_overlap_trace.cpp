@@ -8,7 +8,7 @@
 #include <map>
 #include <utility>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::bench::overlap {
 namespace {

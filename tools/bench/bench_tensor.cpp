@@ -22,11 +22,11 @@
 #include <exception>
 #include <vector>
 
-#include "runtime/allocator.h"
-#include "runtime/device.h"
-#include "runtime/stream.h"
-#include "tensor/cpu/copy_bytes.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/allocator.h"
+#include "tandem/runtime/device.h"
+#include "tandem/runtime/stream.h"
+#include "tandem/tensor/cpu/copy_bytes.h"
+#include "tandem/tensor/ops.h"
 #include "tools/bench/bench.h"
 #include "tools/bench/cuda_baseline.h"
 

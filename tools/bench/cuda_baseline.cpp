@@ -6,9 +6,9 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
-#include "runtime/cuda/cuda_check.h"
-#include "runtime/error.h"
-#include "runtime/stream.h"
+#include "tandem/runtime/cuda/cuda_check.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/stream.h"
 
 #define TANDEM_CUBLAS_CHECK(expr)                                                                 \
   do {                                                                                            \

@@ -6,7 +6,7 @@
 #include <memory>
 #include <string>
 
-#include "tensor/tensor.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem::bench {
 

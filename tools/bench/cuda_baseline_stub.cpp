@@ -2,7 +2,7 @@
 // report the baseline as unavailable.
 #include "tools/bench/cuda_baseline.h"
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::bench {
 

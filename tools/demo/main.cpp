@@ -11,10 +11,10 @@
 #include <exception>
 #include <string>
 
-#include "runtime/allocator.h"
-#include "runtime/device.h"
-#include "runtime/stream.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/allocator.h"
+#include "tandem/runtime/device.h"
+#include "tandem/runtime/stream.h"
+#include "tandem/tensor/ops.h"
 
 namespace {
 

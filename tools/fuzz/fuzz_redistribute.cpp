@@ -35,11 +35,11 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "autograd/engine.h"
-#include "comm/threads/threads_backend.h"
-#include "comm/work.h"
-#include "parallel/dtensor.h"
-#include "tensor/ops.h"
+#include "tandem/autograd/engine.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/comm/work.h"
+#include "tandem/parallel/dtensor.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 namespace {

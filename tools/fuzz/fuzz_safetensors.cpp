@@ -12,8 +12,8 @@
 #include <cstring>
 #include <string>
 
-#include "runtime/error.h"
-#include "tensor/io/safetensors.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/io/safetensors.h"
 
 namespace tandem {
 namespace {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 #include "tools/train/options.h"
 #include "tools/train/trainer.h"
 

@@ -24,7 +24,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "tensor/ops.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 namespace {

@@ -12,7 +12,7 @@
 #include <sstream>
 #include <tuple>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::trace_view {
 namespace {

@@ -10,8 +10,8 @@
 #include <iterator>
 #include <numeric>
 
-#include "runtime/error.h"
-#include "tensor/ops.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem::train {
 

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "tensor/tensor.h"
+#include "tandem/tensor/tensor.h"
 
 namespace tandem::train {
 

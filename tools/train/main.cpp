@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "comm/backend.h"
-#include "runtime/error.h"
+#include "tandem/comm/backend.h"
+#include "tandem/runtime/error.h"
 #include "tools/train/options.h"
 #include "tools/train/trainer.h"
 

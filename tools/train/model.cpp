@@ -1,7 +1,7 @@
 #include "tools/train/model.h"
 
-#include "autograd/ops.h"
-#include "runtime/error.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::train {
 

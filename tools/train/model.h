@@ -23,10 +23,10 @@
 #include <cstdint>
 #include <memory>
 
-#include "autograd/module.h"
-#include "autograd/nn/container.h"
-#include "autograd/nn/linear.h"
-#include "autograd/nn/transformer.h"
+#include "tandem/autograd/module.h"
+#include "tandem/autograd/nn/container.h"
+#include "tandem/autograd/nn/linear.h"
+#include "tandem/autograd/nn/transformer.h"
 
 namespace tandem::train {
 

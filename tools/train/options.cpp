@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::train {
 

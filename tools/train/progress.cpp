@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::train {
 

@@ -20,10 +20,10 @@
 #include <memory>
 #include <vector>
 
-#include "runtime/cuda/backends.h"
-#include "runtime/cuda/emulator/executor.h"
-#include "runtime/error.h"
-#include "runtime/stream.h"
+#include "tandem/runtime/cuda/backends.h"
+#include "tandem/runtime/cuda/emulator/executor.h"
+#include "tandem/runtime/error.h"
+#include "tandem/runtime/stream.h"
 
 namespace tandem {
 namespace {

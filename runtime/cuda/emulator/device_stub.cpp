@@ -1,8 +1,8 @@
 // Compiled instead of device.cpp and executor.cpp in a build configured with
 // -Dgpu_emulator=disabled (Note [CUDA backends]): there is no emulated device,
 // and cuda_api.cpp never selects this backend (it checks compiled() first).
-#include "runtime/cuda/backends.h"
-#include "runtime/error.h"
+#include "tandem/runtime/cuda/backends.h"
+#include "tandem/runtime/error.h"
 
 namespace tandem::cuda_backend::emulator {
 namespace {

@@ -29,7 +29,7 @@
 // marked TANDEM_EMU_UNCHECKED (not instrumented). Under ASan the
 // switches are announced with __sanitizer_start/finish_switch_fiber so that
 // ASan knows which stack is live.
-#include "runtime/cuda/emulator/executor.h"
+#include "tandem/runtime/cuda/emulator/executor.h"
 
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -46,7 +46,7 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/error.h"
+#include "tandem/runtime/error.h"
 
 #if defined(__SANITIZE_THREAD__)
 #define TANDEM_EMU_TSAN 1

@@ -41,7 +41,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "runtime/cuda/emulator/executor.h"
+#include "tandem/runtime/cuda/emulator/executor.h"
 
 #define __global__
 #define __device__

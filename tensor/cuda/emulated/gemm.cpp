@@ -10,11 +10,11 @@
 #include <climits>
 #include <vector>
 
-#include "runtime/cuda/emulator/kernel_api.h"
-#include "runtime/error.h"
-#include "tensor/cuda/gemm_shape.h"
-#include "tensor/cuda/kernel_sets.h"
-#include "tensor/half.h"
+#include "tandem/runtime/cuda/emulator/kernel_api.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/cuda/gemm_shape.h"
+#include "tandem/tensor/cuda/kernel_sets.h"
+#include "tandem/tensor/half.h"
 
 namespace tandem::cuda_kernels::emulated {
 namespace {

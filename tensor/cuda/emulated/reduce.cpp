@@ -1,3 +1,3 @@
 // The emulated compilation of tensor/cuda/reduce.cu (Note [Two kernel compilations]).
 #define TANDEM_EMULATED_KERNELS 1
-#include "tensor/cuda/reduce.cu"  // NOLINT(bugprone-suspicious-include): the point of this file
+#include "tandem/tensor/cuda/reduce.cu"  // NOLINT(bugprone-suspicious-include): the point of this file

@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "comm/mpi/mpi_backend.h"
-#include "runtime/config.h"
-#include "tensor/ops.h"
+#include "tandem/comm/mpi/mpi_backend.h"
+#include "tandem/runtime/config.h"
+#include "tandem/tensor/ops.h"
 #include "tests/comm/mpi/mpi_test_util.h"
 
 namespace tandem::test {

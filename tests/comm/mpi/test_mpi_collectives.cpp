@@ -16,9 +16,9 @@
 #include <string>
 #include <thread>
 
-#include "comm/backend.h"
-#include "comm/mpi/mpi_backend.h"
-#include "comm/mpi/mpi_group.h"
+#include "tandem/comm/backend.h"
+#include "tandem/comm/mpi/mpi_backend.h"
+#include "tandem/comm/mpi/mpi_group.h"
 #include "tests/comm/mpi/mpi_test_util.h"
 #include "tests/support/test_util.h"
 

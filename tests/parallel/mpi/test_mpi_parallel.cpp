@@ -3,13 +3,13 @@
 // one rank per process. Every rank computes the single-rank reference itself.
 #include <catch2/catch.hpp>
 
-#include "autograd/nn/attention.h"
-#include "autograd/nn/transformer.h"
-#include "autograd/ops.h"
-#include "comm/backend.h"
-#include "parallel/context_parallel.h"
-#include "parallel/dtensor.h"
-#include "parallel/dual_pipe.h"
+#include "tandem/autograd/nn/attention.h"
+#include "tandem/autograd/nn/transformer.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/comm/backend.h"
+#include "tandem/parallel/context_parallel.h"
+#include "tandem/parallel/dtensor.h"
+#include "tandem/parallel/dual_pipe.h"
 #include "tests/comm/mpi/mpi_test_util.h"
 
 using namespace tandem;
