@@ -50,6 +50,7 @@
 #include "tandem/comm/work.h"
 
 #include "tandem/parallel/checkpoint.h"
+#include "tandem/parallel/collectives.h"
 #include "tandem/parallel/context_parallel.h"
 #include "tandem/parallel/data_parallel.h"
 #include "tandem/parallel/device_mesh.h"
@@ -57,7 +58,6 @@
 #include "tandem/parallel/dtensor_ops.h"
 #include "tandem/parallel/dual_pipe.h"
 #include "tandem/parallel/expert_parallel.h"
-#include "tandem/parallel/functional.h"
 #include "tandem/parallel/param_placement.h"
 #include "tandem/parallel/placement.h"
 #include "tandem/parallel/tensor_parallel.h"

@@ -1,20 +1,18 @@
 // ContextParallel (DESIGN §7): the hooks and kernel that Ulysses, all-gather
 // KV and their hybrid install on a core-attention module, the per-forward
-// layout they share (CPRuntime), and the DTensor front end, attend(). The
+// layout they share (Note [CP per-call state]), and the DTensor front end,
+// attend(). The
 // layout helpers live in cp_layout.cpp, ring attention in cp_ring.cpp and
 // the async variant in cp_async.cpp.
 #include "tandem/parallel/context_parallel.h"
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <thread>
 
 #include "tandem/autograd/function.h"
 #include "tandem/autograd/ops.h"
+#include "tandem/parallel/collectives.h"
 #include "tandem/parallel/cp_internal.h"
 #include "tandem/parallel/dtensor.h"
-#include "tandem/parallel/functional.h"
 #include "tandem/runtime/error.h"
 
 namespace tandem {
@@ -22,10 +20,13 @@ namespace tandem {
 namespace {
 
 using cp_detail::block_sums;
+using cp_detail::CPCallState;
 using cp_detail::ds_block_lengths;
+using cp_detail::layout_of;
 using cp_detail::qkv_slots;
 using cp_detail::replicate_heads;
 using cp_detail::restore_sequence_order;
+using cp_detail::set_layout;
 
 // Refuses what no layout supports, before any group is made.
 void check_options(const ContextParallel& config, const std::shared_ptr<nn::CoreAttention>& core,
@@ -132,11 +133,7 @@ void register_layout_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
     Args args = in;
     std::vector<Tensor*> qkv = qkv_slots(args, config);
     Tensor &q = *qkv[0], &k = *qkv[1], &v = *qkv[2];
-    CPCallState s;
-    s.lengths = gather_lengths(q, rt->cp_group, config.seq_dim);
-    for (int64_t l : s.lengths)
-      s.total += l;
-    rt->set(s);
+    CPCallState s = set_layout(args, gather_lengths(q, rt->cp_group, config.seq_dim));
     if (rt->ds > 1) scatter_heads(q, k, v, s, *rt, config.seq_dim, config.head_dim);
     if (rt->co > 1 && !ring) gather_kv(k, v, s, *rt, config);
     return args;
@@ -172,8 +169,8 @@ void set_attention_kernel(const std::shared_ptr<nn::CoreAttention>& core,
   const int64_t sd = config.seq_dim;
   const int cp_rank = rt->cp_group->rank();
   core->set_kernel([=](const Tensor& q, const Tensor& k, const Tensor& v,
-                       const AttentionOptions& options) -> Tensor {
-    CPCallState s = rt->get();
+                       const AttentionOptions& options, const Args& args) -> Tensor {
+    CPCallState s = layout_of(args);
     if (ring && rt->cp > 1) {
       return cp_detail::ring_attention(q, k, v, rt->cp_group, options, s.total, config.load_balance,
                                        s.lengths);
@@ -202,9 +199,9 @@ void register_output_hook(const std::shared_ptr<nn::CoreAttention>& core,
   const int64_t sd = config.seq_dim, hd = config.head_dim;
   const int cp_rank = rt->cp_group->rank();
   core->register_forward_hook(
-      [=](Module&, const Args&,
+      [=](Module&, const Args& args,
           const std::vector<Tensor>& outs) -> std::optional<std::vector<Tensor>> {
-        CPCallState s = rt->get();
+        CPCallState s = layout_of(args);
         std::vector<int64_t> ds_lengths = ds_block_lengths(s.lengths, cp_rank, rt->ds);
         std::vector<Tensor> o = outs;
         o[0] = all_to_all_dims(o[0], rt->ds_group, sd, hd, ds_lengths, {});
@@ -249,20 +246,6 @@ DTensor ContextParallel::attend(const std::shared_ptr<nn::CoreAttention>& core, 
   Tensor out = core->call(Args{qs.to_local(), ks.to_local(), vs.to_local()})[0];
   // The output has q's layout: sequence sharded on cp_dim, heads as q's.
   return DTensor::make(out, qs.mesh(), qs.placements(), qs.shape());
-}
-
-void CPRuntime::set(CPCallState s) {
-  std::lock_guard<std::mutex> lock(mu_);
-  calls_[std::this_thread::get_id()] = std::move(s);
-}
-
-CPCallState CPRuntime::get() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = calls_.find(std::this_thread::get_id());
-  TANDEM_CHECK(it != calls_.end(),
-               "[parallel::ContextParallel] expected the attention pre-hook to have run on this "
-               "thread before the kernel, got no layout (was the core called directly?)");
-  return it->second;
 }
 
 }  // namespace tandem

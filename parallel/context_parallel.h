@@ -50,11 +50,8 @@
 // called on every rank of the mesh, and every forward is collective over it.
 #pragma once
 
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "tandem/autograd/nn/attention.h"
@@ -65,21 +62,12 @@ namespace tandem {
 
 enum class CPMode { Auto, Ring };
 
-// Per-forward layout shared by the hooks and kernel of one CP layer, keyed by
-// thread (forwards of different micro-batches run on different threads).
-struct CPCallState {
-  std::vector<int64_t> lengths;  // every CP rank's local sequence length
-  int64_t total = 0;
-};
+// The groups of one CP layer. The layout of each forward (every rank's
+// sequence length) is not kept here: it rides on that call's arguments
+// (Note [CP per-call state], cp_internal.h).
 struct CPRuntime {
   int cp = 1, ds = 1, co = 1;
   ProcessGroupPtr cp_group, ds_group, co_group;
-  void set(CPCallState s);
-  CPCallState get() const;
-
- private:
-  mutable std::mutex mu_;
-  std::map<std::thread::id, CPCallState> calls_;
 };
 
 struct ContextParallel {

@@ -17,6 +17,30 @@
 
 namespace tandem::cp_detail {
 
+// Note [CP per-call state]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Forwards of different micro-batches run concurrently on the dual-pipe
+// workers, through one core-attention module. Whatever one forward's hooks
+// and kernel share must therefore belong to that call, never to the module or
+// a thread. The layout (every rank's sequence length) rides on the call's
+// arguments: the pre-hook adds it as the named argument "cp_lengths" (a CPU
+// I64 tensor, read on the host without a device synchronisation), and the
+// kernel and the forward hook read it from the arguments they are given
+// (Module::call hands both the arguments as the pre-hooks left them). The
+// async variant's collectives are Exchanges owned by the autograd nodes of
+// the forward that launched them (Note [Exchange windows]); between the
+// projection hook that starts one and the attention pre-hook that joins it,
+// it is found by the storage of the projection output it was started on.
+struct CPCallState {
+  std::vector<int64_t> lengths;  // every CP rank's local sequence length
+  int64_t total = 0;
+};
+inline constexpr const char* kLayoutArg = "cp_lengths";
+// Records `lengths` in `args` and returns the layout.
+CPCallState set_layout(Args& args, std::vector<int64_t> lengths);
+// The layout the pre-hook recorded in `args`; throws when there is none.
+CPCallState layout_of(const Args& args);
+
 // The q, k and v slots of the attention arguments (named slots take
 // precedence over positions); throws when one is missing.
 std::vector<Tensor*> qkv_slots(Args& args, const ContextParallel& cp);

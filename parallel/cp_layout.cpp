@@ -6,10 +6,10 @@
 #include <algorithm>
 
 #include "tandem/autograd/ops.h"
+#include "tandem/parallel/collectives.h"
 #include "tandem/parallel/context_parallel.h"
 #include "tandem/parallel/cp_internal.h"
 #include "tandem/parallel/dtensor.h"
-#include "tandem/parallel/functional.h"
 #include "tandem/runtime/error.h"
 
 namespace tandem {
@@ -74,6 +74,30 @@ Tensor* qkv_slot(Args& args, const ContextParallel& cp, int i) {
 }
 
 }  // namespace
+
+CPCallState set_layout(Args& args, std::vector<int64_t> lengths) {
+  CPCallState s;
+  for (int64_t l : lengths)
+    s.total += l;
+  const int64_t n = static_cast<int64_t>(lengths.size());
+  args.named[kLayoutArg] = ops::from_vector(lengths, Shape{n}, Device::cpu());
+  s.lengths = std::move(lengths);
+  return s;
+}
+
+CPCallState layout_of(const Args& args) {
+  auto it = args.named.find(kLayoutArg);
+  TANDEM_CHECK(it != args.named.end() && it->second.defined(),
+               "[parallel::ContextParallel] expected the attention pre-hook to have recorded this "
+               "call's layout (argument \"{}\"), got none (was the core called directly, or the "
+               "pre-hook removed?)",
+               kLayoutArg);
+  CPCallState s;
+  s.lengths = it->second.to_vector<int64_t>();
+  for (int64_t l : s.lengths)
+    s.total += l;
+  return s;
+}
 
 std::vector<Tensor*> qkv_slots(Args& args, const ContextParallel& cp) {
   std::vector<Tensor*> slots;

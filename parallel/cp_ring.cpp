@@ -11,7 +11,7 @@
 #include "tandem/autograd/ops.h"
 #include "tandem/parallel/context_parallel.h"
 #include "tandem/parallel/cp_internal.h"
-#include "tandem/parallel/functional.h"
+#include "tandem/parallel/collectives.h"
 #include "tandem/runtime/error.h"
 
 namespace tandem::cp_detail {

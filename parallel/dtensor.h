@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "tandem/comm/work.h"
+#include "tandem/parallel/collectives.h"
 #include "tandem/parallel/device_mesh.h"
 #include "tandem/parallel/placement.h"
 #include "tandem/tensor/tensor.h"
@@ -86,8 +87,7 @@ class PendingDTensor {
   friend PendingDTensor redistribute_async(const DTensor& x, const Placements& placements);
   DTensor source_;
   Placements target_;
-  WorkPtr work_;
-  std::function<Tensor(const Tensor&)> finish_;
+  PendingTensor pending_;
 };
 
 // Redistributes `x` asynchronously when its plan is one collective (else the

@@ -6,100 +6,12 @@
 
 #include "tandem/autograd/function.h"
 #include "tandem/autograd/ops.h"
+#include "tandem/parallel/collectives.h"
 #include "tandem/parallel/param_placement.h"
 #include "tandem/runtime/error.h"
 
 namespace tandem {
 namespace {
-
-// Note [Expert-parallel exchange windows]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A dual-pipe window pairs one thread's collectives with the other thread's
-// compute (DESIGN §8), so a collective must be *issued* inside its window, in
-// backward as in forward: forward [A] launch [B] wait…, backward [B] launch
-// [A] wait…. One differentiable all-to-all is therefore three nodes around
-// the two hooks of its window:
-//
-//   x → Open → [A or C] → Launch → [B or D] → Wait → y
-//
-//               forward               backward
-//   Open        identity              wait for the reverse all-to-all
-//   Launch      issue the all-to-all  issue the reverse all-to-all
-//   Wait        wait for it           identity
-//
-// Launch returns the collective's output buffer before it is filled (and its
-// backward the reverse one's); only the hooks see a buffer in flight, and
-// they pass it on without reading it. The three nodes share one RowExchange
-// made for this call: it is the per-call state (split sizes, pending works)
-// and the nodes of this forward own it (Note [MoE per-call state]). All three
-// are recorded whenever grad mode is on, even on a rank whose rows do not
-// require grad, so every rank runs the same collectives in backward.
-struct RowExchange {
-  ProcessGroupPtr group;
-  std::vector<int64_t> send_rows;  // rows to each rank (forward)
-  std::vector<int64_t> recv_rows;  // rows from each rank (forward)
-  const char* tag = "";
-  WorkPtr forward;   // issued by Launch::forward, waited by Wait::forward
-  WorkPtr backward;  // issued by Launch::backward, waited by Open::backward
-};
-
-struct ExchangeOpen final : Function {
-  std::shared_ptr<RowExchange> ex;
-  const char* name() const override { return "ExpertExchangeOpenBackward"; }
-  bool always_record() const override { return true; }
-  std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
-    return {in[0]};
-  }
-  std::vector<Tensor> backward(FunctionCtx&, const std::vector<Tensor>& g) override {
-    if (!ex->backward) return {g[0]};
-    ex->backward->wait();
-    Tensor received = ex->backward->result();
-    ex->backward.reset();
-    return {received};
-  }
-};
-
-struct ExchangeLaunch final : Function {
-  std::shared_ptr<RowExchange> ex;
-  const char* name() const override { return "ExpertExchangeLaunchBackward"; }
-  bool always_record() const override { return true; }
-  std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
-    ex->forward = ex->group->all_to_all_single(in[0], {ex->send_rows, ex->recv_rows, ex->tag});
-    return {ex->forward->result()};  // in flight until Wait
-  }
-  std::vector<Tensor> backward(FunctionCtx&, const std::vector<Tensor>& g) override {
-    ex->backward = ex->group->all_to_all_single(ops::contiguous(g[0]),
-                                                {ex->recv_rows, ex->send_rows, ex->tag});
-    return {ex->backward->result()};  // in flight until Open
-  }
-};
-
-struct ExchangeWait final : Function {
-  std::shared_ptr<RowExchange> ex;
-  const char* name() const override { return "ExpertExchangeWaitBackward"; }
-  bool always_record() const override { return true; }
-  std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
-    TANDEM_INTERNAL_ASSERT(ex->forward != nullptr, "expert exchange waited before its launch");
-    ex->forward->wait();
-    Tensor received = ex->forward->result();
-    ex->forward.reset();
-    TANDEM_CHECK(in[0].shape() == received.shape(),
-                 "[parallel::ExpertParallel] expected a phase hook to pass the exchanged rows "
-                 "{} on, got {}",
-                 received.shape(), in[0].shape());
-    return {received};
-  }
-  std::vector<Tensor> backward(FunctionCtx&, const std::vector<Tensor>& g) override {
-    return {g[0]};
-  }
-};
-
-template <class F>
-Tensor apply_exchange(const std::shared_ptr<RowExchange>& ex, const Tensor& x) {
-  auto fn = std::make_shared<F>();
-  fn->ex = ex;
-  return Function::apply(fn, {x})[0];
-}
 
 Tensor run_hook(const MoEPhaseHooks::Hook& hook, const char* point, int64_t layer,
                 const Tensor& x) {
@@ -165,21 +77,24 @@ class ExpertParallelDispatcher final : public nn::MoEDispatcher {
     // contiguous range.
     Tensor rows = nn::dispatch_tokens(tokens, plan);  // (T*k, D)
 
-    auto dispatch = std::make_shared<RowExchange>();
-    dispatch->group = group_;
-    dispatch->tag = "ep dispatch";
-    rows = apply_exchange<ExchangeOpen>(dispatch, rows);
+    // Note [Exchange windows]: each all-to-all is issued and waited inside
+    // the windows of the phase hooks, in forward and in backward.
+    auto dispatch = std::make_shared<Exchange>();
+    dispatch->what = "the expert dispatch";
+    rows = exchange_open(dispatch, rows);
     rows = run_hook(hooks_.before_dispatch, "A", layer_, rows);
 
     // [A] → [B]: split sizes, then the tokens.
     std::vector<int64_t> counts = exchange_counts(plan.counts, tokens.device());
+    std::vector<int64_t> send_rows, recv_rows;
     for (int r = 0; r < ep; ++r) {
-      dispatch->send_rows.push_back(sum_range(plan.counts, r * per_rank_, per_rank_));
-      dispatch->recv_rows.push_back(sum_range(counts, r * per_rank_, per_rank_));
+      send_rows.push_back(sum_range(plan.counts, r * per_rank_, per_rank_));
+      recv_rows.push_back(sum_range(counts, r * per_rank_, per_rank_));
     }
-    Tensor received = apply_exchange<ExchangeLaunch>(dispatch, rows);
+    *dispatch = row_exchange(send_rows, recv_rows, "ep dispatch", dispatch->what);
+    Tensor received = exchange_launch(dispatch, rows);
     received = run_hook(hooks_.before_experts, "B", layer_, received);
-    received = apply_exchange<ExchangeWait>(dispatch, received);
+    received = exchange_wait(dispatch, received);
 
     // [B] → [C]: the local experts.
     ReceivedOrder order = received_order(counts, ep, per_rank_, tokens.device());
@@ -187,24 +102,36 @@ class ExpertParallelDispatcher final : public nn::MoEDispatcher {
     Tensor expert_out = moe.run_experts(sorted, order.per_expert);
     Tensor back = index_select(expert_out, 0, order.to_source_major);
 
-    auto combine = std::make_shared<RowExchange>();
-    combine->group = group_;
-    combine->tag = "ep combine";
-    combine->send_rows = dispatch->recv_rows;
-    combine->recv_rows = dispatch->send_rows;
-    back = apply_exchange<ExchangeOpen>(combine, back);
+    auto combine = std::make_shared<Exchange>(
+        row_exchange(recv_rows, send_rows, "ep combine", "the expert combine"));
+    back = exchange_open(combine, back);
     back = run_hook(hooks_.before_combine, "C", layer_, back);
 
     // [C] → [D]: the rows go home.
-    Tensor returned = apply_exchange<ExchangeLaunch>(combine, back);
+    Tensor returned = exchange_launch(combine, back);
     returned = run_hook(hooks_.after_combine, "D", layer_, returned);
-    returned = apply_exchange<ExchangeWait>(combine, returned);
+    returned = exchange_wait(combine, returned);
 
     // After [D]: the weighted sum, as in the local MoE.
     return nn::combine_tokens(returned, routing.weights, plan);
   }
 
  private:
+  // Rows to and from every rank (dim 0 both ways); backward sends them back.
+  Exchange row_exchange(const std::vector<int64_t>& send, const std::vector<int64_t>& recv,
+                        const char* tag, std::string what) const {
+    Exchange ex;
+    ProcessGroupPtr group = group_;
+    ex.forward = [=](const Tensor& x) {
+      return launch_all_to_all(x, group, 0, 0, send, recv, tag);
+    };
+    ex.backward = [=](const Tensor& g) {
+      return launch_all_to_all(g, group, 0, 0, recv, send, tag);
+    };
+    ex.what = std::move(what);
+    return ex;
+  }
+
   // Rows this rank receives from each source for each local expert:
   // result[s * per_rank + e]. Collective, without gradient; reads on the host
   // because the counts become split sizes.

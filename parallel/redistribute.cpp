@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include "tandem/autograd/function.h"
+#include "tandem/parallel/collectives.h"
 #include "tandem/parallel/dtensor.h"
 #include "tandem/parallel/redistribute_plan.h"
 #include "tandem/runtime/error.h"
@@ -29,103 +30,36 @@ int64_t extent_at(const Shape& global, const Placements& cur, const DeviceMesh& 
   return extent;
 }
 
-Tensor pad_dim(const Tensor& x, int64_t d, int64_t size) {
-  if (x.shape()[d] == size) return x;
-  Shape pad = x.shape();
-  pad[d] = size - x.shape()[d];
-  return ops::cat({x, ops::zeros(pad, x.dtype(), x.device())}, d);
+// Every rank's extent of a dim of `extent` cut into k chunks (chunk semantics).
+std::vector<int64_t> chunk_lengths(int64_t extent, int64_t k) {
+  std::vector<int64_t> lengths;
+  for (int64_t r = 0; r < k; ++r)
+    lengths.push_back(chunk_range(extent, k, r).second);
+  return lengths;
 }
 
-// A communication step split into launch and completion, so single-step plans
-// can run asynchronously.
-struct Launched {
-  WorkPtr work;
-  std::function<Tensor(const Tensor&)> finish;  // applied to work->result()
-};
-
-// The AllToAll step over `group` (k ranks, this one at `me`); full_d is the
-// extent of the source shard dim at this mesh level.
-Launched launch_all_to_all(const Step& s, const Tensor& x, int64_t full_d,
-                           const ProcessGroupPtr& group, int64_t k, int64_t me) {
-  // Shard(d) -> Shard(d2): each peer's slice of d2 is packed once into the
-  // send buffer, in the tensor's own layout; the pieces that come back
-  // (the senders' blocks of d, this rank's slice of d2) are joined along
-  // d in source order, which for d == 0 is the received buffer itself.
-  const int64_t d = s.dim, d2 = s.dim2;
-  const int64_t full2 = x.shape()[d2];
-  const int64_t my_rows = chunk_range(full2, k, me).second;
-  // Elements per index of d2 (here), and per (d, d2) index pair: from the
-  // shape, since a rank may hold an empty block.
-  int64_t per_d = 1;
-  for (int i = 0; i < x.dim(); ++i) {
-    if (i != d && i != d2) per_d *= x.shape()[i];
-  }
-  const int64_t slab = per_d * x.shape()[d];
-  Tensor send = empty(Shape{x.numel()}, x.dtype(), x.device());
-  std::vector<int64_t> in_splits, out_splits;
-  int64_t offset = 0;
-  for (int64_t r = 0; r < k; ++r) {
-    auto [start, len] = chunk_range(full2, k, r);
-    Shape piece = x.shape();
-    piece[d2] = len;
-    const int64_t n = len * slab;
-    if (n > 0)
-      ops::copy_(ops::reshape(ops::narrow(send, 0, offset, n), piece),
-                 ops::narrow(x, d2, start, len));
-    in_splits.push_back(n);
-    offset += n;
-    out_splits.push_back(my_rows * chunk_range(full_d, k, r).second * per_d);
-  }
-  WorkPtr w = group->all_to_all_single(send, {in_splits, out_splits, "redistribute"});
-  Shape shape = x.shape();
-  shape[d2] = my_rows;
-  return {w, [=](const Tensor& flat) {
-            if (d == 0) {
-              Shape whole = shape;
-              whole[0] = full_d;
-              return ops::reshape(flat, whole);
-            }
-            std::vector<Tensor> parts;
-            int64_t at = 0;
-            for (int64_t r = 0; r < k; ++r) {
-              Shape piece = shape;
-              piece[d] = chunk_range(full_d, k, r).second;
-              parts.push_back(ops::reshape(ops::narrow(flat, 0, at, out_splits[r]), piece));
-              at += out_splits[r];
-            }
-            return ops::cat(parts, d);
-          }};
-}
-
-Launched launch_step(const Step& s, const Tensor& x, const Shape& global, const Placements& cur,
-                     const DeviceMesh& mesh) {
+// A communication step as one launcher of parallel/collectives.h, so that
+// single-step plans can run asynchronously.
+PendingTensor launch_step(const Step& s, const Tensor& x, const Shape& global,
+                          const Placements& cur, const DeviceMesh& mesh) {
   ProcessGroupPtr group = mesh.get_group(s.mesh_dim);
   const int64_t k = mesh.size(s.mesh_dim);
-  const int64_t me = mesh.coordinate()[s.mesh_dim];
   switch (s.kind) {
-    case Step::Kind::AllGather: {
-      const int64_t extent = extent_at(global, cur, mesh, s.mesh_dim, s.dim);
-      const int64_t chunk = (extent + k - 1) / k;
-      WorkPtr w = group->all_gather(pad_dim(x, s.dim, chunk), {s.dim, "redistribute"});
-      const int64_t d = s.dim;
-      return {w, [d, extent](const Tensor& y) {
-                return ops::contiguous(ops::narrow(y, d, 0, extent));
-              }};
-    }
-    case Step::Kind::AllReduce: {
-      WorkPtr w = group->all_reduce(x, {s.op, "redistribute"});
-      return {w, [](const Tensor& y) { return y; }};
-    }
-    case Step::Kind::ReduceScatter: {
-      const int64_t extent = x.shape()[s.dim];
-      const int64_t chunk = (extent + k - 1) / k;
-      WorkPtr w =
-          group->reduce_scatter(pad_dim(x, s.dim, chunk * k), {s.op, s.dim, "redistribute"});
-      const int64_t len = chunk_range(extent, k, me).second, d = s.dim;
-      return {w, [d, len](const Tensor& y) { return ops::contiguous(ops::narrow(y, d, 0, len)); }};
-    }
+    case Step::Kind::AllGather:
+      return launch_all_gather(x, group, s.dim,
+                               chunk_lengths(extent_at(global, cur, mesh, s.mesh_dim, s.dim), k),
+                               "redistribute");
+    case Step::Kind::AllReduce:
+      return launch_all_reduce(x, group, s.op, "redistribute");
+    case Step::Kind::ReduceScatter:
+      return launch_reduce_scatter(x, group, s.dim, chunk_lengths(x.shape()[s.dim], k), s.op,
+                                   "redistribute");
     case Step::Kind::AllToAll:
-      return launch_all_to_all(s, x, extent_at(global, cur, mesh, s.mesh_dim, s.dim), group, k, me);
+      // Shard(dim) -> Shard(dim2): scatter dim2 into chunks, gather every
+      // rank's block of dim.
+      return launch_all_to_all(x, group, s.dim2, s.dim, chunk_lengths(x.shape()[s.dim2], k),
+                               chunk_lengths(extent_at(global, cur, mesh, s.mesh_dim, s.dim), k),
+                               "redistribute");
     default:
       TANDEM_INTERNAL_ASSERT(false, "not a communication step");
   }
@@ -142,9 +76,7 @@ Tensor run_step(const Step& s, const Tensor& x, const Shape& global, const Place
   if (s.kind == Step::Kind::MakePartial) {
     return s.op == RedOp::Sum && me != 0 ? ops::zeros_like(x) : x;
   }
-  Launched l = launch_step(s, x, global, cur, mesh);
-  l.work->wait();
-  return l.finish(l.work->result());
+  return launch_step(s, x, global, cur, mesh).wait();
 }
 
 Tensor execute(const Tensor& local, const Shape& global, const Placements& from,
@@ -220,14 +152,13 @@ PendingDTensor::PendingDTensor(DTensor source, Placements target)
     : source_(std::move(source)), target_(std::move(target)) {}
 
 bool PendingDTensor::ready() const {
-  return !work_ || work_->is_completed();
+  return pending_.ready();
 }
 
 DTensor PendingDTensor::wait() {
-  if (!work_) return source_;  // already complete (synchronous path)
-  work_->wait();
-  Tensor local = finish_(work_->result());
-  work_.reset();
+  if (!pending_.launched()) return source_;  // already complete (synchronous path)
+  Tensor local = pending_.wait();
+  pending_ = {};
   source_ = DTensor::make(local, source_.mesh(), target_, source_.shape());
   return source_;
 }
@@ -242,9 +173,7 @@ PendingDTensor redistribute_async(const DTensor& x, const Placements& placements
     return PendingDTensor(x.redistribute(to), to);
   }
   PendingDTensor pending(x, to);
-  Launched l = launch_step(plan[0], x.to_local(), x.shape(), x.placements(), x.mesh());
-  pending.work_ = l.work;
-  pending.finish_ = l.finish;
+  pending.pending_ = launch_step(plan[0], x.to_local(), x.shape(), x.placements(), x.mesh());
   return pending;
 }
 

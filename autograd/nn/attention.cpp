@@ -43,7 +43,7 @@ std::vector<Tensor> CoreAttention::forward(Args& args) {
   AttentionOptions options = options_;
   if (Tensor* t = args.find("q_offset")) options.q_offset = offset_argument(*t, "q_offset");
   if (Tensor* t = args.find("k_offset")) options.k_offset = offset_argument(*t, "k_offset");
-  if (kernel_) return {kernel_(q, k, v, options)};
+  if (kernel_) return {kernel_(q, k, v, options, args)};
   // BSHD → BHSD views; the kernel front end makes them contiguous.
   AttentionResult r = scaled_dot_product_attention(transpose(q, 1, 2), transpose(k, 1, 2),
                                                    transpose(v, 1, 2), options);

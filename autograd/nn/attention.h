@@ -33,9 +33,11 @@ namespace tandem::nn {
 class CoreAttention final : public Module {
  public:
   // Replaces the attention computation itself (BSHD in, BSHD out); context
-  // parallelism installs ring and load-balanced kernels this way.
+  // parallelism installs ring and load-balanced kernels this way. `args` are
+  // this call's arguments as the pre-hooks left them: per-call data a hook
+  // passes to its kernel rides there (Note [CP per-call state]).
   using Kernel = std::function<Tensor(const Tensor& q, const Tensor& k, const Tensor& v,
-                                      const AttentionOptions& options)>;
+                                      const AttentionOptions& options, const Args& args)>;
 
   using Options = AttentionOptions;
   explicit CoreAttention(const AttentionOptions& options = {});

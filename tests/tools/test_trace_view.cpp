@@ -326,7 +326,7 @@ TEST_CASE("hand-made trace: exact busy, exposed and overlap per rank", "[trace_v
 TEST_CASE("the innermost open span decides what is compute", "[trace_view]") {
   REQUIRE(kind_of("autograd", "MatmulBackward") == Kind::Compute);
   REQUIRE(kind_of("autograd", "SyncHookBackward") == Kind::Wait);
-  REQUIRE(kind_of("autograd", "ExpertExchangeOpenBackward") == Kind::Wait);
+  REQUIRE(kind_of("autograd", "ExchangeOpenBackward") == Kind::Wait);
   REQUIRE(kind_of("autograd", "AllToAllBackward") == Kind::Wait);
   REQUIRE(kind_of("ops", "event-wait") == Kind::Compute);  // case-sensitive "Wait"
   REQUIRE(kind_of("comm", "all_gather #3") == Kind::Comm);
@@ -336,7 +336,7 @@ TEST_CASE("the innermost open span decides what is compute", "[trace_view]") {
   // [100,160] whose child [150,170] outlives it (clipped to 160); a comm span
   // [0,200] on another lane of the same rank.
   const char* trace = R"([
-{"ph":"X","cat":"autograd","name":"ExpertExchangeWaitBackward","ts":0,"dur":100,"pid":0,"tid":0},
+{"ph":"X","cat":"autograd","name":"ExchangeWaitBackward","ts":0,"dur":100,"pid":0,"tid":0},
 {"ph":"X","cat":"autograd","name":"MulBackward","ts":20,"dur":10,"pid":0,"tid":0},
 {"ph":"X","cat":"autograd","name":"backward","ts":100,"dur":60,"pid":0,"tid":0},
 {"ph":"X","cat":"autograd","name":"SyncHookBackward","ts":150,"dur":20,"pid":0,"tid":0},

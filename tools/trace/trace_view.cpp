@@ -297,13 +297,12 @@ struct Builder {
 
 const char* const kWaitSpanNames[] = {"Wait",
                                       "SyncHook",
-                                      "ExpertExchange",
+                                      "Exchange",
                                       "AllToAllBackward",
                                       "AllGatherBackward",
                                       "ReduceScatterBackward",
                                       "AllReduceGradBackward",
                                       "RedistributeBackward",
-                                      "AsyncCollectiveBackward",
                                       nullptr};
 
 Kind kind_of(const std::string& category, const std::string& name) {

@@ -28,10 +28,11 @@ namespace tandem::trace_view {
 // and waited for (kWaitSpanNames); the rest are compute.
 enum class Kind { Compute, Comm, Link, Wait };
 // Substrings of span names that make a non-communication span a Wait:
-// SyncHookBackward (coordinator rendezvous, DESIGN §8), the ExpertExchange*
-// nodes of expert parallelism, the differentiable collectives of parallel/
-// (AllToAll/AllGather/ReduceScatter/AllReduceGrad/Redistribute/AsyncCollective
-// Backward) and anything named "...Wait...".
+// SyncHookBackward (coordinator rendezvous, DESIGN §8), the Exchange* nodes
+// of parallel/collectives.h (expert parallelism, async context parallelism),
+// the differentiable collectives of parallel/ (AllToAll/AllGather/
+// ReduceScatter/AllReduceGrad/Redistribute Backward) and anything named
+// "...Wait...".
 extern const char* const kWaitSpanNames[];
 Kind kind_of(const std::string& category, const std::string& name);
 bool is_comm(Kind kind);
