@@ -20,29 +20,29 @@ void check_1d(const DeviceMesh& mesh, const char* style) {
   TANDEM_CHECK(mesh.ndim() == 1, "[parallel::{}] expected a 1-D mesh, got {}", style, mesh.str());
 }
 
-// The global shape of a local tensor laid out as `p` on a 1-D mesh.
-Shape global_of(const Tensor& local, const Placement& p, const DeviceMesh& mesh) {
-  Shape g = local.shape();
-  if (p.is_shard()) {
-    int d = wrap_dim(p.dim, local.dim(), "parallelize");
-    g[d] = 0;
-    // chunk semantics: recover the global extent from the local ones (even
-    // split assumed unless this is the last, shorter chunk — ask the group).
-    WorkPtr w = mesh.get_group()->all_reduce(
-        ops::full(Shape{1}, static_cast<double>(local.shape()[d]), DType::I64, local.device()),
-        {RedOp::Sum, "global extent"});
-    w->synchronize();
-    g[d] = w->result().item<int64_t>();
-  }
-  return g;
-}
-
+// Note [Tensor-parallel relayout]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The hooks move a local tensor between placements through one DTensor,
+// built once. A Shard source needs its global extent. For the feature dim of
+// a Linear's input or output the module knows it (the weight's global shape,
+// captured when the style shards it), so those relayouts make no host
+// synchronisation — the default styles and the feature-sharded layouts of a
+// Megatron MLP or attention block. A user-declared shard of another dim (a
+// sequence shard) has an extent that only the ranks together know (chunk
+// semantics make a short last shard ambiguous): from_local sums it over the
+// group, one small collective read on the host.
 Tensor relayout(const Tensor& local, const Placement& from, const Placement& to,
-                const DeviceMesh& mesh) {
+                const DeviceMesh& mesh, int64_t feature_extent = -1) {
   if (from == to) return local;
-  DTensor x = DTensor::make(local, mesh, {from}, global_of(local, from, mesh));
-  if (from.is_shard()) x = DTensor::from_local(local, mesh, {from}, x.shape());
-  return x.redistribute({to}).to_local();
+  std::optional<Shape> global;
+  if (!from.is_shard()) {
+    global = local.shape();
+  } else if (from.dim == local.dim() - 1 && feature_extent >= 0) {
+    Shape g = local.shape();
+    g[local.dim() - 1] = feature_extent;
+    global = g;
+  }
+  return DTensor::from_local(local, mesh, {from}, global).redistribute({to}).to_local();
 }
 
 Placement normalised(Placement p, int ndim) {
@@ -51,12 +51,13 @@ Placement normalised(Placement p, int ndim) {
 }
 
 // Installs this rank's chunk of the parameter along `dim` and records its
-// placement (Note [Parameter placements]).
-void shard_parameter(nn::Linear& linear, const std::string& name, const DeviceMesh& mesh,
-                     int64_t dim) {
+// placement (Note [Parameter placements]); returns the whole shape.
+Shape shard_parameter(nn::Linear& linear, const std::string& name, const DeviceMesh& mesh,
+                      int64_t dim) {
   const Tensor whole = name == "weight" ? linear.weight() : linear.bias();
   linear.set_parameter(name, DTensor::distribute(whole, mesh, {Shard(dim)}).to_local());
   record_shard(name == "weight" ? linear.weight() : linear.bias(), mesh, dim, whole.shape());
+  return whole.shape();
 }
 
 }  // namespace
@@ -66,23 +67,26 @@ void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
   nn::Linear& linear = as_linear(module, "ColwiseParallel");
   // Fewer features than ranks is fine: the last ranks hold empty shards
   // (chunk semantics) and produce empty outputs.
-  shard_parameter(linear, "weight", mesh, 0);
+  const Shape weight = shard_parameter(linear, "weight", mesh, 0);  // (out, in)
   if (linear.bias().defined()) shard_parameter(linear, "bias", mesh, 0);
   Placement in = input_layout, out_layout = output_layout;
-  module.register_forward_pre_hook([mesh, in](Module&, const Args& args) -> std::optional<Args> {
-    Args a = args;
-    Tensor& x = a.positional.at(0);
-    x = relayout(x, normalised(in, x.dim()), Replicate(), mesh);
-    x = all_reduce_grad(x, mesh.get_group());  // replicated input, sharded output
-    return a;
-  });
+  const int64_t in_features = weight[1], out_features = weight[0];
+  module.register_forward_pre_hook(
+      [mesh, in, in_features](Module&, const Args& args) -> std::optional<Args> {
+        Args a = args;
+        Tensor& x = a.positional.at(0);
+        x = relayout(x, normalised(in, x.dim()), Replicate(), mesh, in_features);
+        x = all_reduce_grad(x, mesh.get_group());  // replicated input, sharded output
+        return a;
+      });
   module.register_forward_hook(
-      [mesh, out_layout](Module&, const Args&,
-                         const std::vector<Tensor>& outs) -> std::optional<std::vector<Tensor>> {
+      [mesh, out_layout, out_features](
+          Module&, const Args&,
+          const std::vector<Tensor>& outs) -> std::optional<std::vector<Tensor>> {
         std::vector<Tensor> o = outs;
         Placement want = normalised(out_layout, o[0].dim());
         Placement have = Shard(o[0].dim() - 1);
-        o[0] = relayout(o[0], have, want, mesh);
+        o[0] = relayout(o[0], have, want, mesh, out_features);
         return o;
       });
 }
@@ -90,15 +94,17 @@ void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
 void RowwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
   check_1d(mesh, "RowwiseParallel");
   nn::Linear& linear = as_linear(module, "RowwiseParallel");
-  shard_parameter(linear, "weight", mesh, 1);
+  const Shape weight = shard_parameter(linear, "weight", mesh, 1);  // (out, in)
   linear.set_bias_deferred(true);
   Placement in = input_layout, out_layout = output_layout;
-  module.register_forward_pre_hook([mesh, in](Module&, const Args& args) -> std::optional<Args> {
-    Args a = args;
-    Tensor& x = a.positional.at(0);
-    x = relayout(x, normalised(in, x.dim()), Shard(x.dim() - 1), mesh);
-    return a;
-  });
+  const int64_t in_features = weight[1];
+  module.register_forward_pre_hook(
+      [mesh, in, in_features](Module&, const Args& args) -> std::optional<Args> {
+        Args a = args;
+        Tensor& x = a.positional.at(0);
+        x = relayout(x, normalised(in, x.dim()), Shard(x.dim() - 1), mesh, in_features);
+        return a;
+      });
   nn::Linear* lin = &linear;  // the hook belongs to this module; it outlives the hook
   module.register_forward_hook(
       [mesh, out_layout, lin](
