@@ -103,12 +103,14 @@ struct ContextParallel {
 // the all-to-all (Ulysses) or the K/V all-gather as soon as each projection
 // has produced its output, and the attention pre-hook waits for them. In
 // backward, the reverse collective of each gradient is launched as soon as the
-// gradient exists — all three before any is waited on — and waited in the
-// projection's backward pre-hook, just before its GEMM. Communication thus
-// overlaps the projection GEMMs in both directions. Results are identical to
-// ContextParallel's. Supports Ulysses (ulysses_degree == cp) and all-gather KV
-// (ulysses_degree == 1, with or without load balance); the projections output
-// (B, S, heads * head_size).
+// gradient exists — all three before any is waited on — and waited just
+// before the projection's GEMM (each collective is an Exchange of
+// parallel/collectives.h). Communication thus overlaps the projection GEMMs
+// in both directions. Results are identical to ContextParallel's. Supports
+// Ulysses (ulysses_degree == cp) and all-gather KV (ulysses_degree == 1, with
+// or without load balance); the projections output (B, S, heads * head_size),
+// and q/k/v reach the attention as views of those outputs (reshaped, nothing
+// computed in between; anything else is refused with an error).
 struct AsyncContextParallel {
   ContextParallel config;
   int64_t head_size = 0;

@@ -24,7 +24,7 @@
 //
 // Backward mirrors it: the reverse combine all-to-all is launched between [D]
 // and [C], the reverse dispatch all-to-all between [B] and [A], each waited
-// just past the next hook (Note [Expert-parallel exchange windows]).
+// just past the next hook (Note [Exchange windows], parallel/collectives.h).
 //
 // Gradient convention. Expert parameters are sharded over ep: the owner's
 // gradient already sums the contributions of every rank's tokens, so they
