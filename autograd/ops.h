@@ -64,20 +64,14 @@ Tensor mul(const Tensor& a, double s);
 Tensor div(const Tensor& a, double s);
 Tensor rdiv(const Tensor& a, double s);
 Tensor pow(const Tensor& a, double exponent);
-Tensor neg(const Tensor& a);
-Tensor exp(const Tensor& a);
-Tensor log(const Tensor& a);
-Tensor sqrt(const Tensor& a);
-Tensor rsqrt(const Tensor& a);
-Tensor abs(const Tensor& a);
-Tensor tanh(const Tensor& a);
-Tensor sigmoid(const Tensor& a);
-Tensor relu(const Tensor& a);
+// The unary ops of tensor/unary_ops.h, each defined with its backward in
+// autograd/functions/elementwise.cpp (Note [Adding a unary op]).
+#define TANDEM_UNARY_DECLARE(E, name, linear) Tensor name(const Tensor& a);
+TANDEM_UNARY_OPS(TANDEM_UNARY_DECLARE)
+#undef TANDEM_UNARY_DECLARE
 // approximate: Tanh (the default here, unlike PyTorch) or None (exact, erf);
 // tensor/ops.h says why.
 Tensor gelu(const Tensor& a, GeluApproximate approximate = GeluApproximate::Tanh);
-Tensor silu(const Tensor& a);
-Tensor erf(const Tensor& a);
 // Dropout while `training` (x itself otherwise): ops::dropout with counters
 // reserved from gen through draw_random, so a checkpointed block re-runs with
 // the mask its forward used (Note [Random draws under checkpoint] in

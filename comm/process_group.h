@@ -15,9 +15,8 @@
 // mode compares across ranks (Note [Checked launch order]). The threads
 // backend's ranks stand for processes, so each rank thread set has a mutex of
 // its own (ProcessGroup::issue_mutex()): its launches are ordered the same
-// way, and the ranks do not queue on one another's launches (at 4 KiB-1 MiB
-// on 4 ranks and 2 cores, 0.61-0.78x -> 0.76-0.87x the naive reference, and
-// 1 MiB all_to_all 0.74-0.95x -> 0.97-0.99x). A simulated link takes its inner
+// way, and the ranks do not queue on one another's launches (which showed in
+// the small rows of `tandem-bench comm`). A simulated link takes its inner
 // group's mutex, so launches through it and straight on the inner group stay
 // one sequence.
 #pragma once

@@ -176,23 +176,14 @@ DTensor div(const DTensor& a, const DTensor& b) {
 DTensor mul(const DTensor& a, double s) {
   return unary(a, true, "mul", [s](const Tensor& t) { return tandem::mul(t, s); });
 }
-DTensor neg(const DTensor& a) {
-  return unary(a, true, "neg", [](const Tensor& t) { return tandem::neg(t); });
-}
-DTensor relu(const DTensor& a) {
-  return unary(a, false, "relu", [](const Tensor& t) { return tandem::relu(t); });
-}
+#define TANDEM_UNARY_DEFINE(E, name, linear)                                         \
+  DTensor name(const DTensor& a) {                                                   \
+    return unary(a, linear, #name, [](const Tensor& t) { return tandem::name(t); }); \
+  }
+TANDEM_UNARY_OPS(TANDEM_UNARY_DEFINE)
+#undef TANDEM_UNARY_DEFINE
 DTensor gelu(const DTensor& a) {
   return unary(a, false, "gelu", [](const Tensor& t) { return tandem::gelu(t); });
-}
-DTensor silu(const DTensor& a) {
-  return unary(a, false, "silu", [](const Tensor& t) { return tandem::silu(t); });
-}
-DTensor exp(const DTensor& a) {
-  return unary(a, false, "exp", [](const Tensor& t) { return tandem::exp(t); });
-}
-DTensor tanh(const DTensor& a) {
-  return unary(a, false, "tanh", [](const Tensor& t) { return tandem::tanh(t); });
 }
 
 DTensor sum(const DTensor& t, const Dims& dims, bool keepdim) {

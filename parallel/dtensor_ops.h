@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "tandem/parallel/dtensor.h"
+#include "tandem/tensor/unary_ops.h"
 
 namespace tandem {
 
@@ -34,12 +35,12 @@ DTensor sub(const DTensor& a, const DTensor& b);
 DTensor mul(const DTensor& a, const DTensor& b);
 DTensor div(const DTensor& a, const DTensor& b);
 DTensor mul(const DTensor& a, double s);
-DTensor neg(const DTensor& a);
-DTensor relu(const DTensor& a);
+// Every unary op of tensor/unary_ops.h, from one template: a linear op keeps
+// Partial placements, any other redistributes a Partial input first.
+#define TANDEM_UNARY_DECLARE(E, name, linear) DTensor name(const DTensor& a);
+TANDEM_UNARY_OPS(TANDEM_UNARY_DECLARE)
+#undef TANDEM_UNARY_DECLARE
 DTensor gelu(const DTensor& a);
-DTensor silu(const DTensor& a);
-DTensor exp(const DTensor& a);
-DTensor tanh(const DTensor& a);
 
 DTensor matmul(const DTensor& a, const DTensor& b);
 // x @ w^T (+ b), w of shape (out, in).

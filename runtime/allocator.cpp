@@ -138,8 +138,8 @@ class LiveTable {
 // the threads backend, each allocating a collective's output while the others
 // still hold theirs, a synchronous loop of 4 ranks cycled through 6-7 output
 // blocks instead of 4, and the working set of a 4 MiB all_gather or
-// all_to_all (inputs, outputs) outgrew the 32 MiB L3: 0.75x -> 0.97x the
-// naive reference on the 4 MiB all_to_all in one A/B. With affinity a thread
+// all_to_all (inputs, outputs) outgrew the 32 MiB L3 (README, benchmark
+// figures of `tandem-bench comm`). With affinity a thread
 // gets back the block it wrote last, still in the cache (in its own core's L2
 // when small), much as glibc's per-thread arenas give malloc. It keys on the
 // allocating thread, not the freeing one, because a Work's last reference may

@@ -11,6 +11,7 @@
 
 #include "tandem/tensor/dtype.h"
 #include "tandem/tensor/shape.h"
+#include "tandem/tensor/unary_ops.h"
 
 namespace tandem {
 
@@ -30,27 +31,19 @@ TensorArg arg_of(const Tensor& t);
 // `t` with its shape broadcast to `shape` (stride 0 on broadcast dims).
 TensorArg broadcast_arg(const Tensor& t, const Shape& shape);
 
-// Gelu is the tanh approximation, GeluErf the exact 0.5 x (1 + erf(x / sqrt 2)).
+// One value per line of tensor/unary_ops.h, in its order.
+#define TANDEM_UNARY_ENUM(E, ...) E,
 enum class UnaryOp : uint8_t {
-  Neg,
-  Exp,
-  Log,
-  Sqrt,
-  Rsqrt,
-  Abs,
-  Tanh,
-  Sigmoid,
-  Relu,
-  Gelu,
-  Silu,
-  Erf,
-  GeluErf
+  TANDEM_UNARY_OPS(TANDEM_UNARY_ENUM) TANDEM_UNARY_KERNELS_ONLY(TANDEM_UNARY_ENUM)
 };
+#undef TANDEM_UNARY_ENUM
 // The number of values of an enum with a table indexed by it (each table
-// static_asserts its size against it): its last value + 1, so a new value goes
-// last or moves the count with it. Not an enumerator, so that switches stay
-// exhaustive without a default.
-constexpr int kUnaryOpCount = static_cast<int>(UnaryOp::GeluErf) + 1;
+// static_asserts its size against it). Not an enumerator, so that switches
+// stay exhaustive without a default.
+#define TANDEM_UNARY_ONE(...) +1
+constexpr int kUnaryOpCount =
+    0 TANDEM_UNARY_OPS(TANDEM_UNARY_ONE) TANDEM_UNARY_KERNELS_ONLY(TANDEM_UNARY_ONE);
+#undef TANDEM_UNARY_ONE
 enum class BinaryOp : uint8_t { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge };
 constexpr int kBinaryOpCount = static_cast<int>(BinaryOp::Ge) + 1;  // as kUnaryOpCount
 constexpr bool is_comparison(BinaryOp op) {
@@ -84,92 +77,126 @@ struct AttentionArgs {
   int64_t q_offset = 0, k_offset = 0;
 };
 
-// Declares one backend's kernels; each backend's namespace gets the same list.
-// CUDA versions take the stream (a cudaStream_t) as their last argument.
-#define TANDEM_DECLARE_KERNELS(...)                                                               \
-  /* out = op(in); out contiguous with in's shape; same dtype */                                  \
-  void unary(UnaryOp op, const TensorArg& in, const TensorArg& out __VA_ARGS__);                  \
-  /* a, b broadcast to out's shape, dtype of a == b; out: that dtype or bool (comparisons) */     \
-  void binary(BinaryOp op, const TensorArg& a, const TensorArg& b,                                \
-              const TensorArg& out __VA_ARGS__);                                                  \
-  /* out = op(a, s), or op(s, a) when scalar_first */                                             \
-  void binary_scalar(BinaryOp op, const TensorArg& a, double s, bool scalar_first,                \
-                     const TensorArg& out __VA_ARGS__);                                           \
-  /* cond bool, a and b of out's dtype, all broadcast to out's shape */                           \
-  void where(const TensorArg& cond, const TensorArg& a, const TensorArg& b,                       \
-             const TensorArg& out __VA_ARGS__);                                                   \
-  /* out[...] = cast(in[...]); same shape, both may be strided, dtypes may differ */              \
-  void copy(const TensorArg& in, const TensorArg& out __VA_ARGS__);                               \
-  void fill(const TensorArg& out, double value __VA_ARGS__); /* out may be strided */             \
-  void arange(const TensorArg& out, double start, double step __VA_ARGS__);                       \
-  void random(const TensorArg& out, RandomKind kind, uint64_t seed, uint64_t offset, double a,    \
-              double b __VA_ARGS__);                                                              \
-  /* in contiguous viewed as (outer, r, inner); out (outer, inner), i64 for arg ops */            \
-  void reduce(ReduceOp op, const TensorArg& in, int64_t outer, int64_t r, int64_t inner,          \
-              const TensorArg& out __VA_ARGS__);                                                  \
-  /* softmax / log_softmax / cumsum along r of a contiguous (outer, r, inner) */                  \
-  void softmax(const TensorArg& in, int64_t outer, int64_t r, int64_t inner, bool log,            \
-               const TensorArg& out __VA_ARGS__);                                                 \
-  void cumsum(const TensorArg& in, int64_t outer, int64_t r, int64_t inner,                       \
-              const TensorArg& out __VA_ARGS__);                                                  \
-  /* x (rows, d) contiguous; weight/bias (d) or data == nullptr; mean/rstd f32 (rows) */          \
-  void layer_norm(const TensorArg& x, const TensorArg& weight, const TensorArg& bias, double eps, \
-                  int64_t rows, int64_t d, const TensorArg& out, const TensorArg& mean,           \
-                  const TensorArg& rstd __VA_ARGS__);                                             \
-  void rms_norm(const TensorArg& x, const TensorArg& weight, double eps, int64_t rows, int64_t d, \
-                const TensorArg& out, const TensorArg& rstd __VA_ARGS__);                         \
-  /* gradients of layer_norm (mean.data != nullptr) or rms_norm (mean.data == nullptr) from       \
-     the saved f32 statistics: dy, x, dx (rows, d) contiguous in x's dtype; weight (d) or         \
-     data == nullptr; dweight, dbias (d) in acc dtype (f64 for f64, else f32) or nullptr */       \
-  void norm_backward(const TensorArg& dy, const TensorArg& x, const TensorArg& weight,            \
-                     const TensorArg& mean, const TensorArg& rstd, int64_t rows, int64_t d,       \
-                     const TensorArg& dx, const TensorArg& dweight,                               \
-                     const TensorArg& dbias __VA_ARGS__);                                         \
-  /* out[i] = u_i < p ? 0 : in[i] / (1 - p), u_i = philox_uniform(offset, seed, i)                \
-     (tensor/random.h; the comparison in f32 on every device); in, out contiguous of one          \
-     floating dtype; 0 < p < 1 */                                                                 \
-  void dropout(const TensorArg& in, double p, uint64_t seed, uint64_t offset,                     \
-               const TensorArg& out __VA_ARGS__);                                                 \
-  /* out = silu(a) * b; a, b, out contiguous of one shape and floating dtype */                   \
-  void swiglu(const TensorArg& a, const TensorArg& b, const TensorArg& out __VA_ARGS__);          \
-  /* da = g * b * silu'(a), db = g * silu(a); all contiguous of one shape and dtype */            \
-  void swiglu_backward(const TensorArg& a, const TensorArg& b, const TensorArg& g,                \
-                       const TensorArg& da, const TensorArg& db __VA_ARGS__);                     \
-  /* q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), out (B, Hq, Sq, D): f32 or f64, any strides       \
-     with unit stride along D; lse f32 (B, Hq, Sq) contiguous; Sq, Sk, D > 0 */                   \
-  void attention(const AttentionArgs& args, const TensorArg& q, const TensorArg& k,               \
-                 const TensorArg& v, const TensorArg& out, const TensorArg& lse __VA_ARGS__);     \
-  /* as attention, plus dout like out; dq, dk, dv of q's, k's, v's shape, any strides with        \
-     unit stride along D; lse may come from a larger computation (ring attention) */              \
-  void attention_backward(const AttentionArgs& args, const TensorArg& q, const TensorArg& k,      \
-                          const TensorArg& v, const TensorArg& out, const TensorArg& lse,         \
-                          const TensorArg& dout, const TensorArg& dq, const TensorArg& dk,        \
-                          const TensorArg& dv __VA_ARGS__);                                       \
-  void gemm(const GemmArgs& args __VA_ARGS__);                                                    \
-  /* in (outer, n, inner) contiguous, index i64 (k) in [0, n); out (outer, k, inner) */           \
-  void index_select(const TensorArg& in, int64_t outer, int64_t n, int64_t inner,                 \
-                    const TensorArg& index, const TensorArg& out __VA_ARGS__);                    \
-  /* in (outer, n, inner), index i64 (outer, k, inner), out (outer, k, inner): contiguous */      \
-  void gather(const TensorArg& in, int64_t outer, int64_t n, int64_t inner,                       \
-              const TensorArg& index, int64_t k, const TensorArg& out __VA_ARGS__);               \
-  /* out (outer, n, inner) += src (outer, k, inner) at index (outer, k, inner) */                 \
-  void scatter_add(const TensorArg& out, int64_t outer, int64_t n, int64_t inner,                 \
-                   const TensorArg& index, int64_t k, const TensorArg& src __VA_ARGS__);          \
-  /* rows x n contiguous; values (rows, k) in in's dtype, indices i64; sorted; ties: low index */ \
-  void topk(const TensorArg& in, int64_t rows, int64_t n, int64_t k, bool largest,                \
-            const TensorArg& values, const TensorArg& indices __VA_ARGS__);                       \
-  void argsort(const TensorArg& in, int64_t rows, int64_t n, bool descending,                     \
-               const TensorArg& indices __VA_ARGS__);                                             \
-  /* indices i64 (n) in [0, classes); out i64 (n, classes) */                                     \
-  void one_hot(const TensorArg& indices, int64_t n, int64_t classes,                              \
-               const TensorArg& out __VA_ARGS__);
+// The kernels of every backend, one entry each: X(name, (parameters),
+// (argument names)). Each backend namespace declares the same list (CUDA
+// versions take the stream, a cudaStream_t, as their last argument), and
+// tensor/cuda/backend.cpp and tensor/cuda/kernels_stub.cpp define theirs from
+// it, so a new kernel is one entry here plus its implementations.
+#define TANDEM_KERNELS(X)                                                                          \
+  /* out = op(in); out contiguous with in's shape; same dtype */                                   \
+  X(unary, (UnaryOp op, const TensorArg& in, const TensorArg& out), (op, in, out))                 \
+  /* a, b broadcast to out's shape, dtype of a == b; out: that dtype or bool (comparisons) */      \
+  X(binary, (BinaryOp op, const TensorArg& a, const TensorArg& b, const TensorArg& out),           \
+    (op, a, b, out))                                                                               \
+  /* out = op(a, s), or op(s, a) when scalar_first */                                              \
+  X(binary_scalar,                                                                                 \
+    (BinaryOp op, const TensorArg& a, double s, bool scalar_first, const TensorArg& out),          \
+    (op, a, s, scalar_first, out))                                                                 \
+  /* cond bool, a and b of out's dtype, all broadcast to out's shape */                            \
+  X(where, (const TensorArg& cond, const TensorArg& a, const TensorArg& b, const TensorArg& out),  \
+    (cond, a, b, out))                                                                             \
+  /* out[...] = cast(in[...]); same shape, both may be strided, dtypes may differ */               \
+  X(copy, (const TensorArg& in, const TensorArg& out), (in, out))                                  \
+  X(fill, (const TensorArg& out, double value), (out, value))                                      \
+  /* out may be strided */                                                                         \
+  X(arange, (const TensorArg& out, double start, double step), (out, start, step))                 \
+  X(random,                                                                                        \
+    (const TensorArg& out, RandomKind kind, uint64_t seed, uint64_t offset, double a, double b),   \
+    (out, kind, seed, offset, a, b))                                                               \
+  /* in contiguous viewed as (outer, r, inner); out (outer, inner), i64 for arg ops */             \
+  X(reduce,                                                                                        \
+    (ReduceOp op, const TensorArg& in, int64_t outer, int64_t r, int64_t inner,                    \
+     const TensorArg& out),                                                                        \
+    (op, in, outer, r, inner, out))                                                                \
+  /* softmax / log_softmax / cumsum along r of a contiguous (outer, r, inner) */                   \
+  X(softmax,                                                                                       \
+    (const TensorArg& in, int64_t outer, int64_t r, int64_t inner, bool log,                       \
+     const TensorArg& out),                                                                        \
+    (in, outer, r, inner, log, out))                                                               \
+  X(cumsum, (const TensorArg& in, int64_t outer, int64_t r, int64_t inner, const TensorArg& out),  \
+    (in, outer, r, inner, out))                                                                    \
+  /* x (rows, d) contiguous; weight/bias (d) or data == nullptr; mean/rstd f32 (rows) */           \
+  X(layer_norm,                                                                                    \
+    (const TensorArg& x, const TensorArg& weight, const TensorArg& bias, double eps, int64_t rows, \
+     int64_t d, const TensorArg& out, const TensorArg& mean, const TensorArg& rstd),               \
+    (x, weight, bias, eps, rows, d, out, mean, rstd))                                              \
+  X(rms_norm,                                                                                      \
+    (const TensorArg& x, const TensorArg& weight, double eps, int64_t rows, int64_t d,             \
+     const TensorArg& out, const TensorArg& rstd),                                                 \
+    (x, weight, eps, rows, d, out, rstd))                                                          \
+  /* gradients of layer_norm (mean.data != nullptr) or rms_norm (mean.data == nullptr) from the    \
+   * saved f32 statistics: dy, x, dx (rows, d) contiguous in x's dtype; weight (d) or data ==      \
+   * nullptr; dweight, dbias (d) in acc dtype (f64 for f64, else f32) or nullptr */                \
+  X(norm_backward,                                                                                 \
+    (const TensorArg& dy, const TensorArg& x, const TensorArg& weight, const TensorArg& mean,      \
+     const TensorArg& rstd, int64_t rows, int64_t d, const TensorArg& dx,                          \
+     const TensorArg& dweight, const TensorArg& dbias),                                            \
+    (dy, x, weight, mean, rstd, rows, d, dx, dweight, dbias))                                      \
+  /* out[i] = u_i < p ? 0 : in[i] / (1 - p), u_i = philox_uniform(offset, seed, i)                 \
+   * (tensor/random.h; the comparison in f32 on every device); in, out contiguous of one floating  \
+   * dtype; 0 < p < 1 */                                                                           \
+  X(dropout,                                                                                       \
+    (const TensorArg& in, double p, uint64_t seed, uint64_t offset, const TensorArg& out),         \
+    (in, p, seed, offset, out))                                                                    \
+  /* out = silu(a) * b; a, b, out contiguous of one shape and floating dtype */                    \
+  X(swiglu, (const TensorArg& a, const TensorArg& b, const TensorArg& out), (a, b, out))           \
+  /* da = g * b * silu'(a), db = g * silu(a); all contiguous of one shape and dtype */             \
+  X(swiglu_backward,                                                                               \
+    (const TensorArg& a, const TensorArg& b, const TensorArg& g, const TensorArg& da,              \
+     const TensorArg& db),                                                                         \
+    (a, b, g, da, db))                                                                             \
+  /* q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), out (B, Hq, Sq, D): f32 or f64, any strides with   \
+   * unit stride along D; lse f32 (B, Hq, Sq) contiguous; Sq, Sk, D > 0 */                         \
+  X(attention,                                                                                     \
+    (const AttentionArgs& args, const TensorArg& q, const TensorArg& k, const TensorArg& v,        \
+     const TensorArg& out, const TensorArg& lse),                                                  \
+    (args, q, k, v, out, lse))                                                                     \
+  /* as attention, plus dout like out; dq, dk, dv of q's, k's, v's shape, any strides with unit    \
+   * stride along D; lse may come from a larger computation (ring attention) */                    \
+  X(attention_backward,                                                                            \
+    (const AttentionArgs& args, const TensorArg& q, const TensorArg& k, const TensorArg& v,        \
+     const TensorArg& out, const TensorArg& lse, const TensorArg& dout, const TensorArg& dq,       \
+     const TensorArg& dk, const TensorArg& dv),                                                    \
+    (args, q, k, v, out, lse, dout, dq, dk, dv))                                                   \
+  X(gemm, (const GemmArgs& args), (args))                                                          \
+  /* in (outer, n, inner) contiguous, index i64 (k) in [0, n); out (outer, k, inner) */            \
+  X(index_select,                                                                                  \
+    (const TensorArg& in, int64_t outer, int64_t n, int64_t inner, const TensorArg& index,         \
+     const TensorArg& out),                                                                        \
+    (in, outer, n, inner, index, out))                                                             \
+  /* in (outer, n, inner), index i64 (outer, k, inner), out (outer, k, inner): contiguous */       \
+  X(gather,                                                                                        \
+    (const TensorArg& in, int64_t outer, int64_t n, int64_t inner, const TensorArg& index,         \
+     int64_t k, const TensorArg& out),                                                             \
+    (in, outer, n, inner, index, k, out))                                                          \
+  /* out (outer, n, inner) += src (outer, k, inner) at index (outer, k, inner) */                  \
+  X(scatter_add,                                                                                   \
+    (const TensorArg& out, int64_t outer, int64_t n, int64_t inner, const TensorArg& index,        \
+     int64_t k, const TensorArg& src),                                                             \
+    (out, outer, n, inner, index, k, src))                                                         \
+  /* rows x n contiguous; values (rows, k) in in's dtype, indices i64; sorted; ties: low index */  \
+  X(topk,                                                                                          \
+    (const TensorArg& in, int64_t rows, int64_t n, int64_t k, bool largest,                        \
+     const TensorArg& values, const TensorArg& indices),                                           \
+    (in, rows, n, k, largest, values, indices))                                                    \
+  X(argsort,                                                                                       \
+    (const TensorArg& in, int64_t rows, int64_t n, bool descending, const TensorArg& indices),     \
+    (in, rows, n, descending, indices))                                                            \
+  /* indices i64 (n) in [0, classes); out i64 (n, classes) */                                      \
+  X(one_hot, (const TensorArg& indices, int64_t n, int64_t classes, const TensorArg& out),         \
+    (indices, n, classes, out))
+
+#define TANDEM_KERNEL_EXPAND(...) __VA_ARGS__
+#define TANDEM_KERNEL_DECLARE_CPU(name, params, args) void name(TANDEM_KERNEL_EXPAND params);
+#define TANDEM_KERNEL_DECLARE_CUDA(name, params, args) \
+  void name(TANDEM_KERNEL_EXPAND params, void* stream);
 
 namespace cpu {
-TANDEM_DECLARE_KERNELS()
+TANDEM_KERNELS(TANDEM_KERNEL_DECLARE_CPU)
 }  // namespace cpu
 
 namespace cuda {
-TANDEM_DECLARE_KERNELS(, void* stream)
+TANDEM_KERNELS(TANDEM_KERNEL_DECLARE_CUDA)
 }  // namespace cuda
 
 }  // namespace tandem

@@ -13,6 +13,7 @@
 
 #include "tandem/tensor/random.h"
 #include "tandem/tensor/tensor.h"
+#include "tandem/tensor/unary_ops.h"
 
 namespace tandem {
 
@@ -142,23 +143,17 @@ Tensor mul(const Tensor& a, double s);
 Tensor div(const Tensor& a, double s);
 Tensor rdiv(const Tensor& a, double s);  // s / a
 Tensor pow(const Tensor& a, double exponent);
-Tensor neg(const Tensor& a);
-Tensor exp(const Tensor& a);
-Tensor log(const Tensor& a);
-Tensor sqrt(const Tensor& a);
-Tensor rsqrt(const Tensor& a);
-Tensor abs(const Tensor& a);
-Tensor tanh(const Tensor& a);
-Tensor sigmoid(const Tensor& a);
-Tensor relu(const Tensor& a);
+// neg, exp, log, sqrt, rsqrt, abs, tanh, sigmoid, relu, silu, erf: the
+// unary ops of tensor/unary_ops.h (Note [Adding a unary op]).
+#define TANDEM_UNARY_DECLARE(E, name, linear) Tensor name(const Tensor& a);
+TANDEM_UNARY_OPS(TANDEM_UNARY_DECLARE)
+#undef TANDEM_UNARY_DECLARE
 // GELU: Tanh is 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (GPT-2,
 // llm.c), None the exact 0.5 x (1 + erf(x / sqrt(2))), as PyTorch's
 // `approximate` argument. The default differs from PyTorch's on purpose:
 // tandem's gelu has always been the tanh form and models trained with it keep
 // their numbers; pass GeluApproximate::None for torch.nn.GELU().
 Tensor gelu(const Tensor& a, GeluApproximate approximate = GeluApproximate::Tanh);
-Tensor silu(const Tensor& a);
-Tensor erf(const Tensor& a);
 // Dropout (training form): element i of x is zeroed where
 // philox_uniform(offset, seed, i) < p (tensor/random.h) and the others are
 // scaled by 1 / (1 - p), so the expectation is x. p == 0 returns x itself,

@@ -23,8 +23,10 @@ const char* binary_name(BinaryOp op) {
 }
 
 const char* unary_name(UnaryOp op) {
-  static const char* names[] = {"neg",     "exp",  "log",  "sqrt", "rsqrt", "abs",     "tanh",
-                                "sigmoid", "relu", "gelu", "silu", "erf",   "gelu_erf"};
+#define TANDEM_UNARY_NAME(E, name, ...) #name,
+  static const char* names[] = {TANDEM_UNARY_OPS(TANDEM_UNARY_NAME)
+                                    TANDEM_UNARY_KERNELS_ONLY(TANDEM_UNARY_NAME)};
+#undef TANDEM_UNARY_NAME
   static_assert(std::size(names) == kUnaryOpCount, "one name per UnaryOp");
   return names[static_cast<int>(op)];
 }
@@ -174,38 +176,14 @@ Tensor ge(const Tensor& a, double s) {
   return scalar_op(BinaryOp::Ge, a, s, false);
 }
 
-Tensor neg(const Tensor& a) {
-  return unary_op(UnaryOp::Neg, a);
-}
-Tensor exp(const Tensor& a) {
-  return unary_op(UnaryOp::Exp, a);
-}
-Tensor log(const Tensor& a) {
-  return unary_op(UnaryOp::Log, a);
-}
-Tensor sqrt(const Tensor& a) {
-  return unary_op(UnaryOp::Sqrt, a);
-}
-Tensor rsqrt(const Tensor& a) {
-  return unary_op(UnaryOp::Rsqrt, a);
-}
-Tensor abs(const Tensor& a) {
-  return unary_op(UnaryOp::Abs, a);
-}
-Tensor tanh(const Tensor& a) {
-  return unary_op(UnaryOp::Tanh, a);
-}
-Tensor sigmoid(const Tensor& a) {
-  return unary_op(UnaryOp::Sigmoid, a);
-}
-Tensor relu(const Tensor& a) {
-  return unary_op(UnaryOp::Relu, a);
-}
+#define TANDEM_UNARY_DEFINE(E, name, linear) \
+  Tensor name(const Tensor& a) {             \
+    return unary_op(UnaryOp::E, a);          \
+  }
+TANDEM_UNARY_OPS(TANDEM_UNARY_DEFINE)
+#undef TANDEM_UNARY_DEFINE
 Tensor gelu(const Tensor& a, GeluApproximate approximate) {
   return unary_op(approximate == GeluApproximate::Tanh ? UnaryOp::Gelu : UnaryOp::GeluErf, a);
-}
-Tensor erf(const Tensor& a) {
-  return unary_op(UnaryOp::Erf, a);
 }
 
 namespace {
@@ -235,9 +213,6 @@ Tensor dropout(const Tensor& x, double p, Generator& gen) {
   const uint64_t seed = gen.seed();
   const uint64_t offset = gen.advance(static_cast<uint64_t>(x.numel()));
   return dropout(x, p, seed, offset);
-}
-Tensor silu(const Tensor& a) {
-  return unary_op(UnaryOp::Silu, a);
 }
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {

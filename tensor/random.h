@@ -68,7 +68,8 @@ TANDEM_HOST_DEVICE inline double philox_normal(uint64_t offset, uint64_t seed, i
   Philox4 r = philox4x32(offset + static_cast<uint64_t>(i), seed);
   double u1 = (static_cast<double>(r.x[0]) + 1.0) * (1.0 / 4294967296.0);
   double u2 = static_cast<double>(r.x[1]) * (1.0 / 4294967296.0);
-  return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+  // Qualified: tandem:: has a sqrt and a log of its own (tensor/unary_ops.h).
+  return ::sqrt(-2.0 * ::log(u1)) * ::cos(6.283185307179586 * u2);
 }
 
 }  // namespace tandem

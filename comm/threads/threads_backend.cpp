@@ -56,9 +56,8 @@ namespace tandem {
 // Once every member has posted, any single driver completes the round, so a
 // rank that launches and never waits holds nobody up. (Before, each rank's
 // comm thread ran the collective between two barriers: a launch and a wait
-// cost two hand-offs between threads, 14 context switches per 1 MiB
-// all_gather of 4 ranks instead of the naive version's 6, and 0.3-0.9x its
-// speed at 1-4 MiB.)
+// cost two hand-offs between threads, over twice the context switches of
+// the naive version, and lost to it at 1-4 MiB.)
 //
 // The comm thread (a TaskQueue per rank and group) remains for what has to
 // wait before it can post: an input produced on an asynchronous stream (the

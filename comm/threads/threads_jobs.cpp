@@ -263,17 +263,16 @@ std::pair<int64_t, int64_t> chunk_of(int r, int n, int64_t count) {
 // (n-1, s) before (., s+1). Every thread that drives therefore copies from
 // the same input at about the same time, as the naive version's ranks do
 // when each copies its peers' shards in rank order, and a large input is
-// read from memory once and from the shared cache by the others: a 64 MiB
-// all_gather of 4 ranks (16 MiB inputs, 32 MiB L3) went from 0.87-0.89x
-// the naive version (each driver starting at its own rank's pieces, so
-// four inputs streamed at once) to 0.92-1.06x.
+// read from memory once and from the shared cache by the others (had each
+// driver started at its own rank's pieces, inputs larger than the L3 would
+// stream four at once).
 //
 // A piece of 4 MiB or more is copied as several jobs (parts of at least
 // 2 MiB, at most Round::max_parts(n); boundaries on 64-byte lines), part p
 // of every rank's piece from a source before part p + 1: the drivers then
 // read the same 2 MiB of an input together, and the last job of a round is
 // short, so no core idles at the end while another copies a whole 16 MiB
-// piece. The 64 MiB all_gather went to 1.00-1.02x, 16 MiB to 0.99-1.03x.
+// piece.
 // A poster counts its parts from its own post (parts_of), which is also
 // what peers read when they open its pieces.
 //

@@ -1,5 +1,5 @@
 // Helpers shared by the CUDA kernels of tensor/cuda/ (one .cu per op family,
-// all declared by TANDEM_DECLARE_KERNELS in tensor/kernels.h).
+// all declared from TANDEM_KERNELS in tensor/kernels.h).
 //
 // - StreamDeviceGuard: launches go to the device that owns the given stream,
 //   whatever the calling thread's current CUDA device is (ranks as threads may

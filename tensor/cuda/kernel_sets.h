@@ -7,9 +7,9 @@
 #include "tandem/tensor/kernels.h"
 
 namespace tandem::cuda_kernels::native {
-TANDEM_DECLARE_KERNELS(, void* stream)
+TANDEM_KERNELS(TANDEM_KERNEL_DECLARE_CUDA)
 }  // namespace tandem::cuda_kernels::native
 
 namespace tandem::cuda_kernels::emulated {
-TANDEM_DECLARE_KERNELS(, void* stream)
+TANDEM_KERNELS(TANDEM_KERNEL_DECLARE_CUDA)
 }  // namespace tandem::cuda_kernels::emulated
