@@ -11,6 +11,7 @@
 #include "tandem/comm/threads/threads_backend.h"
 #include "tandem/parallel/dtensor_ops.h"
 #include "tandem/parallel/tensor_parallel.h"
+#include "tandem/tensor/kernels.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_device.h"
 
@@ -224,6 +225,43 @@ TEST_CASE("DTensor ops derive placements and match the full computation", "[tp][
     DTensor tr = transpose(dist(A, Shard(0)), 0, 1);
     RANK_CHECK(rc, tr.placements()[0] == Shard(1));
     RANK_CHECK(rc, close(tr.full_tensor(), ops::transpose(A, 0, 1)));
+  });
+  rc.report();
+}
+
+TEST_CASE("every unary op of the table has a DTensor form that keeps or resolves Partial",
+          "[tp][dtensor-ops]") {
+  // Positive inputs, so that log, sqrt and rsqrt are defined everywhere.
+  Generator gen(17);
+  Tensor A = ops::add(ops::abs(ops::randn({6, 4}, gen)), 0.5);
+  struct Op {
+    const char* name;
+    bool linear;
+    DTensor (*dtensor)(const DTensor&);
+    Tensor (*local)(const Tensor&);
+  };
+  const std::vector<Op> table = {
+#define TANDEM_UNARY_ROW(E, name, linear)                   \
+  {#name, linear, [](const DTensor& x) { return name(x); }, \
+   [](const Tensor& x) { return ops::name(x); }},
+      TANDEM_UNARY_OPS(TANDEM_UNARY_ROW)
+#undef TANDEM_UNARY_ROW
+  };
+  REQUIRE(table.size() + 2 == static_cast<size_t>(kUnaryOpCount));  // + gelu's two kernels
+  tandem::testing::RankChecks rc;
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {2}, {"tp"}, {}, test::test_device());
+    for (const Op& op : table) {
+      // Sharded: applied to the local shard, the placement kept.
+      DTensor s = op.dtensor(DTensor::distribute(test::on_test_device(A), mesh, {Shard(0)}));
+      RANK_CHECK(rc, s.placements()[0] == Shard(0));
+      RANK_CHECK(rc, close(s.full_tensor(), op.local(A)));
+      // Partial (sum of A on rank 0 and 0 elsewhere): a linear op stays
+      // Partial, any other is applied to the resolved sum.
+      DTensor p = op.dtensor(DTensor::distribute(test::on_test_device(A), mesh, {Partial()}));
+      RANK_CHECK(rc, p.placements()[0].is_partial() == op.linear);
+      RANK_CHECK(rc, close(p.full_tensor(), op.local(A)));
+    }
   });
   rc.report();
 }
