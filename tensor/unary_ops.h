@@ -34,7 +34,8 @@
   X(Sigmoid, sigmoid, false) \
   X(Relu, relu, false)       \
   X(Silu, silu, false)       \
-  X(Erf, erf, false)
+  X(Erf, erf, false)         \
+  X(Softplus, softplus, false)
 
 // Kernels whose public op takes more arguments, written by hand: the two
 // forms of gelu(a, approximate). Gelu is the tanh approximation, GeluErf the

@@ -299,6 +299,11 @@ Tensor erf(const Tensor& a) {
     return ops::mul(g, ops::mul(ops::exp(ops::neg(ops::mul(x, x))), 1.1283791670955126));
   });
 }
+Tensor softplus(const Tensor& a) {
+  // d softplus(x)/dx = sigmoid(x)
+  return unary("SoftplusBackward", a, ops::softplus(a), false,
+               [](const Tensor& g, const Tensor& x) { return ops::mul(g, ops::sigmoid(x)); });
+}
 Tensor silu(const Tensor& a) {
   return unary("SiluBackward", a, ops::silu(a), false, [](const Tensor& g, const Tensor& x) {
     Tensor s = ops::sigmoid(x);

@@ -80,6 +80,8 @@ void with_unary(UnaryOp op, Fn&& fn) {
         return fn([](A x) { return x / (A(1) + std::exp(-x)); });
       case UnaryOp::Erf:
         return fn([](A x) { return std::erf(x); });
+      case UnaryOp::Softplus:  // log(1 + e^x); x itself past 20, as PyTorch's threshold
+        return fn([](A x) { return x > A(20) ? x : static_cast<A>(std::log1p(std::exp(x))); });
       case UnaryOp::GeluErf:
         return fn([](A x) { return gelu_erf(x); });
     }

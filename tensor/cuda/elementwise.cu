@@ -45,6 +45,8 @@ __device__ V unary_apply(UnaryOp op, V x) {
         return x / (V(1) + detail::d_exp(-x));
       case UnaryOp::Erf:
         return detail::d_erf(x);
+      case UnaryOp::Softplus:  // as the CPU: x itself past 20
+        return x > V(20) ? x : detail::d_log(V(1) + detail::d_exp(x));
       case UnaryOp::GeluErf:
         return V(0.5) * x * (V(1) + detail::d_erf(x * V(0.7071067811865476)));  // 1 / sqrt(2)
     }

@@ -114,6 +114,7 @@ TEST_CASE("gradcheck: scalar variants and unary ops", "[gradcheck]") {
       {"relu", [](const Tensor& t) { return relu(t); }, -1, 1},
       {"gelu", [](const Tensor& t) { return gelu(t); }, -3, 3},
       {"silu", [](const Tensor& t) { return silu(t); }, -3, 3},
+      {"softplus", [](const Tensor& t) { return softplus(t); }, -3, 3},
   };
   uint32_t seed = 200;
   for (const Op& op : unary) {

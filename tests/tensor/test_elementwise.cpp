@@ -90,6 +90,8 @@ std::vector<UnaryCase> unary_cases() {
        -5, 5},
       {"erf", [](const Tensor& t) { return ops::erf(t); }, [](double x) { return std::erf(x); }, -3,
        3},
+      {"softplus", [](const Tensor& t) { return ops::softplus(t); },
+       [](double x) { return x > 20 ? x : std::log1p(std::exp(x)); }, -30, 30},
       {"operator-", [](const Tensor& t) { return -t; }, [](double x) { return -x; }, -4, 4},
   };
 }
