@@ -9,9 +9,9 @@
 
 #include "tandem/autograd/function.h"
 #include "tandem/autograd/ops.h"
+#include "tandem/parallel/collectives.h"
 #include "tandem/parallel/context_parallel.h"
 #include "tandem/parallel/cp_internal.h"
-#include "tandem/parallel/collectives.h"
 #include "tandem/runtime/error.h"
 
 namespace tandem::cp_detail {

@@ -38,30 +38,40 @@ inline A gelu_erf(A x) {
   return static_cast<A>(0.5) * x * (static_cast<A>(1) + std::erf(x * inv_sqrt2));
 }
 
+// The ops defined for every arithmetic type; false for the others.
+template <class A, class Fn>
+bool with_sign_op(UnaryOp op, Fn&& fn) {
+  switch (op) {
+    case UnaryOp::Neg:
+      fn([](A x) { return static_cast<A>(-x); });
+      return true;
+    case UnaryOp::Abs:
+      fn([](A x) { return x < A(0) ? static_cast<A>(-x) : x; });
+      return true;
+    case UnaryOp::Relu:
+      fn([](A x) { return x > A(0) ? x : A(0); });
+      return true;
+    default:
+      return false;
+  }
+}
+
 // Calls fn(functor) with the functor of `op` for arithmetic type A. The
 // floating switch names every op, with no default (-Werror=switch: Note
 // [Adding a unary op]); integers have the sign ops only.
 template <class A, class Fn>
 void with_unary(UnaryOp op, Fn&& fn) {
   if constexpr (!std::is_floating_point_v<A>) {
-    switch (op) {
-      case UnaryOp::Neg:
-        return fn([](A x) { return static_cast<A>(-x); });
-      case UnaryOp::Abs:
-        return fn([](A x) { return x < A(0) ? static_cast<A>(-x) : x; });
-      case UnaryOp::Relu:
-        return fn([](A x) { return x > A(0) ? x : A(0); });
-      default:
-        TANDEM_FAIL("[cpu::unary] op {} is not defined for this dtype", static_cast<int>(op));
-    }
+    TANDEM_CHECK(with_sign_op<A>(op, fn), "[cpu::unary] op {} is not defined for this dtype",
+                 static_cast<int>(op));
+    return;
   } else {
     switch (op) {
       case UnaryOp::Neg:
-        return fn([](A x) { return static_cast<A>(-x); });
       case UnaryOp::Abs:
-        return fn([](A x) { return x < A(0) ? static_cast<A>(-x) : x; });
       case UnaryOp::Relu:
-        return fn([](A x) { return x > A(0) ? x : A(0); });
+        with_sign_op<A>(op, fn);
+        return;
       case UnaryOp::Exp:
         return fn([](A x) { return std::exp(x); });
       case UnaryOp::Log:
