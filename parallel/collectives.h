@@ -131,7 +131,7 @@ struct Exchange {
   using Launcher = std::function<PendingTensor(const Tensor&)>;
   Launcher forward;   // x → y
   Launcher backward;  // dy → dx
-  std::string what;   // names the exchange in errors and node names' contexts
+  std::string what;   // names the exchange in errors
   PendingTensor forward_pending, backward_pending;
 };
 
