@@ -26,6 +26,7 @@
 #include "tandem/tensor/random.h"
 #include "tandem/tensor/tensor.h"
 
+#include "tandem/autograd/call_data.h"
 #include "tandem/autograd/checkpoint.h"
 #include "tandem/autograd/engine.h"
 #include "tandem/autograd/function.h"
@@ -60,4 +61,5 @@
 #include "tandem/parallel/expert_parallel.h"
 #include "tandem/parallel/param_placement.h"
 #include "tandem/parallel/placement.h"
+#include "tandem/parallel/sequence_layout.h"
 #include "tandem/parallel/tensor_parallel.h"

@@ -1,5 +1,6 @@
 #include "tandem/autograd/checkpoint.h"
 
+#include "tandem/autograd/call_data.h"
 #include "tandem/autograd/engine.h"
 #include "tandem/autograd/function.h"
 #include "tandem/runtime/recompute_flag.h"
@@ -31,6 +32,7 @@ struct CheckpointFunction final : Function {
   CheckpointFn fn;
   std::vector<Tensor> inputs;     // detached; re-run in backward
   std::vector<RandomDraw> draws;  // made by the forward, replayed by the re-run
+  CallDataStack call_data;        // what the forward saw (Note [Per-call data])
 
   const char* name() const override { return "CheckpointBackward"; }
   bool always_record() const override { return true; }
@@ -39,6 +41,7 @@ struct CheckpointFunction final : Function {
   std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
     for (const Tensor& t : in)
       inputs.push_back(detach(t));
+    call_data = call_data_snapshot();
     DrawScope scope(&draws, false);
     return fn(in);
   }
@@ -54,6 +57,7 @@ struct CheckpointFunction final : Function {
     {
       RecomputeGuard recompute;
       EnableGradGuard enable;
+      CallDataRestore data(call_data);
       DrawScope scope(&draws, true);
       outs = fn(leaves);
       TANDEM_CHECK(draw_frames.back().next == draws.size(),
@@ -75,6 +79,7 @@ struct CheckpointFunction final : Function {
     }
     inputs.clear();
     draws.clear();
+    call_data.clear();
     return result;
   }
 };

@@ -1,10 +1,16 @@
 #include "tandem/parallel/tensor_parallel.h"
 
+#include <fmt/ranges.h>
+
+#include <mutex>
+
 #include "tandem/autograd/nn/linear.h"
 #include "tandem/autograd/ops.h"
 #include "tandem/parallel/dtensor_ops.h"
 #include "tandem/parallel/param_placement.h"
+#include "tandem/parallel/sequence_layout.h"
 #include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
 
 namespace tandem {
 namespace {
@@ -28,19 +34,48 @@ void check_1d(const DeviceMesh& mesh, const char* style) {
 // captured when the style shards it), so those relayouts make no host
 // synchronisation — the default styles and the feature-sharded layouts of a
 // Megatron MLP or attention block. A user-declared shard of another dim (a
-// sequence shard) has an extent that only the ranks together know (chunk
-// semantics make a short last shard ambiguous): from_local sums it over the
-// group, one small collective read on the host.
+// sequence shard) takes its extent from the layout the caller declared for
+// this group (Note [Sequence layout as data]), checked against the local
+// shard; only where none is declared does from_local sum the extents over
+// the group, one small collective read on the host.
+int64_t declared_extent(const Tensor& local, int64_t dim, const DeviceMesh& mesh) {
+  const ProcessGroupPtr group = mesh.get_group();
+  const auto layout = declared_sequence_layout(*group);
+  if (!layout) {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      log_debug(
+          "[parallel] a tensor-parallel hook sums a sequence shard's extent over its group: "
+          "no SequenceLayoutScope declares the layout");
+    });
+    return -1;
+  }
+  const int64_t have = local.size(dim);
+  TANDEM_CHECK(layout->lengths.at(group->rank()) == have,
+               "[parallel] expected rank {}'s sequence shard (dim {}) to hold the {} tokens "
+               "the declared layout gives it, got {}",
+               group->rank(), dim, layout->lengths.at(group->rank()), have);
+  TANDEM_CHECK(layout->lengths == SequenceLayout::chunked(layout->total(), group->size()).lengths,
+               "[parallel] expected the declared sequence layout to split {} tokens over {} "
+               "ranks as Shard does (chunk semantics), got lengths {}",
+               layout->total(), group->size(), fmt::join(layout->lengths, ", "));
+  return layout->total();
+}
+
 Tensor relayout(const Tensor& local, const Placement& from, const Placement& to,
                 const DeviceMesh& mesh, int64_t feature_extent = -1) {
   if (from == to) return local;
   std::optional<Shape> global;
   if (!from.is_shard()) {
     global = local.shape();
-  } else if (from.dim == local.dim() - 1 && feature_extent >= 0) {
-    Shape g = local.shape();
-    g[local.dim() - 1] = feature_extent;
-    global = g;
+  } else {
+    const bool feature = from.dim == local.dim() - 1 && feature_extent >= 0;
+    const int64_t extent = feature ? feature_extent : declared_extent(local, from.dim, mesh);
+    if (extent >= 0) {
+      Shape g = local.shape();
+      g[from.dim] = extent;
+      global = g;
+    }
   }
   return DTensor::from_local(local, mesh, {from}, global).redistribute({to}).to_local();
 }

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "tandem/autograd/call_data.h"
 #include "tandem/autograd/checkpoint.h"
 #include "tandem/autograd/engine.h"
 #include "tandem/autograd/module.h"
@@ -157,6 +158,37 @@ TEST_CASE("checkpoint: is_recomputing is visible to module hooks in the re-run",
     CHECK(is_recomputing());
   }
   CHECK_FALSE(is_recomputing());
+}
+
+TEST_CASE("checkpoint: the re-run sees the per-call data its forward saw", "[checkpoint]") {
+  // Note [Per-call data]: the backward runs outside the caller's scope, yet
+  // the re-run must find what the forward found; scopes nest and unwind.
+  static const int key = 0;
+  auto value_in_scope = [] {
+    auto v = find_call_data(&key);
+    return v ? *std::static_pointer_cast<const int>(v) : -1;
+  };
+  std::vector<int> seen;
+  Tensor x = leaf(Shape{2, 3}, 22, F32);
+  std::vector<Tensor> out;
+  {
+    CallDataScope outer(&key, std::make_shared<const int>(1));
+    CallDataScope inner(&key, std::make_shared<const int>(7));
+    out = checkpoint(
+        [&](const std::vector<Tensor>& in) {
+          seen.push_back(value_in_scope());
+          return std::vector<Tensor>{mul(in[0], in[0])};
+        },
+        {x});
+  }
+  CHECK(value_in_scope() == -1);
+  {
+    CallDataScope other(&key, std::make_shared<const int>(3));
+    backward(sum(out[0]));
+    CHECK(value_in_scope() == 3);  // the re-run's scopes are gone again
+  }
+  CHECK(seen == std::vector<int>{7, 7});
+  CHECK(value_in_scope() == -1);
 }
 
 TEST_CASE("checkpoint: inputs without grad still give parameter gradients", "[checkpoint]") {
