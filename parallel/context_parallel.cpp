@@ -133,7 +133,8 @@ void register_layout_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
     Args args = in;
     std::vector<Tensor*> qkv = qkv_slots(args, config);
     Tensor &q = *qkv[0], &k = *qkv[1], &v = *qkv[2];
-    CPCallState s = set_layout(args, gather_lengths(q, rt->cp_group, config.seq_dim));
+    CPCallState s = set_layout(
+        args, sequence_lengths(q, config.seq_dim, rt->cp_group, "a context-parallel layer"));
     if (rt->ds > 1) scatter_heads(q, k, v, s, *rt, config.seq_dim, config.head_dim);
     if (rt->co > 1 && !ring) gather_kv(k, v, s, *rt, config);
     return args;

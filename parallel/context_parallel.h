@@ -57,6 +57,7 @@
 #include "tandem/autograd/nn/attention.h"
 #include "tandem/parallel/device_mesh.h"
 #include "tandem/parallel/dtensor.h"
+#include "tandem/parallel/sequence_layout.h"
 
 namespace tandem {
 
@@ -128,8 +129,15 @@ struct SeqPiece {
 };
 std::vector<SeqPiece> sequence_pieces(int64_t seq_len, int cp, int rank, bool load_balance);
 
+// Every rank's length under shard_sequence() of `seq_len` tokens over cp
+// ranks: the layout a caller declares with SequenceLayoutScope on the CP mesh
+// (Note [Sequence layout as data]), so that each CP forward reads it instead
+// of gathering every rank's length.
+SequenceLayout shard_sequence_layout(int64_t seq_len, int cp, bool load_balance);
+
 // This rank's part of a whole sequence (dim `seq_dim`), and the whole
-// sequence back from every rank's part (collective over `group`).
+// sequence back from every rank's part (collective over `group`; the lengths
+// come from the declared layout where there is one).
 Tensor shard_sequence(const Tensor& full, int64_t seq_dim, int cp, int rank, bool load_balance);
 Tensor unshard_sequence(const Tensor& local, int64_t seq_dim, const ProcessGroupPtr& group,
                         bool load_balance);

@@ -104,7 +104,8 @@ std::vector<int64_t> forward_lengths(const AsyncLayer& layer, const Tensor& x, c
       return lengths;
     }
   }
-  std::vector<int64_t> lengths = gather_lengths(y, layer.group, 1);
+  std::vector<int64_t> lengths =
+      sequence_lengths(y, 1, layer.group, "an async context-parallel layer");
   if (layer.projections > 1) {
     std::lock_guard<std::mutex> lock(h.mu);
     h.lengths[key] = {x, lengths, layer.projections - 1};

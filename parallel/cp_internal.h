@@ -12,6 +12,7 @@
 #include "tandem/autograd/module.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/parallel/context_parallel.h"
+#include "tandem/parallel/sequence_layout.h"
 #include "tandem/tensor/ops.h"
 #include "tandem/tensor/tensor.h"
 
@@ -22,8 +23,10 @@ namespace tandem::cp_detail {
 // Forwards of different micro-batches run concurrently on the dual-pipe
 // workers, through one core-attention module. Whatever one forward's hooks
 // and kernel share must therefore belong to that call, never to the module or
-// a thread. The layout (every rank's sequence length) rides on the call's
-// arguments: the pre-hook adds it as the named argument "cp_lengths" (a CPU
+// a thread. The layout (every rank's sequence length) is what the caller
+// declared for the CP group (Note [Sequence layout as data]), or, without a
+// declaration, gathered from the group by the pre-hook. It rides on the
+// call's arguments: the pre-hook adds it as the named argument "cp_lengths" (a CPU
 // I64 tensor, read on the host without a device synchronisation), and the
 // kernel and the forward hook read it from the arguments they are given
 // (Module::call hands both the arguments as the pre-hooks left them). The

@@ -28,6 +28,20 @@ std::vector<SeqPiece> sequence_pieces(int64_t seq_len, int cp, int rank, bool lo
   return {piece(rank), piece(2 * cp - 1 - rank)};
 }
 
+SequenceLayout shard_sequence_layout(int64_t seq_len, int cp, bool load_balance) {
+  TANDEM_CHECK(seq_len >= 0 && cp > 0,
+               "[parallel::shard_sequence_layout] expected seq_len >= 0 and cp > 0, got {} and {}",
+               seq_len, cp);
+  SequenceLayout layout;
+  for (int r = 0; r < cp; ++r) {
+    int64_t n = 0;
+    for (const SeqPiece& p : sequence_pieces(seq_len, cp, r, load_balance))
+      n += p.length;
+    layout.lengths.push_back(n);
+  }
+  return layout;
+}
+
 Tensor shard_sequence(const Tensor& full, int64_t seq_dim, int cp, int rank, bool load_balance) {
   int d = wrap_dim(seq_dim, full.dim(), "shard_sequence");
   std::vector<Tensor> parts;
@@ -41,7 +55,7 @@ Tensor unshard_sequence(const Tensor& local, int64_t seq_dim, const ProcessGroup
                         bool load_balance) {
   int d = wrap_dim(seq_dim, local.dim(), "unshard_sequence");
   const int cp = group->size();
-  std::vector<int64_t> lengths = gather_lengths(local, group, d);
+  std::vector<int64_t> lengths = sequence_lengths(local, d, group, "unshard_sequence");
   Tensor gathered = all_gather_dim(local, group, d, lengths);
   if (!load_balance) return gathered;
   int64_t total = 0;

@@ -1,18 +1,23 @@
 #include "tandem/parallel/sequence_layout.h"
 
 #include <algorithm>
+#include <mutex>
 #include <numeric>
+#include <set>
+#include <string>
 #include <utility>
 
+#include "tandem/parallel/collectives.h"
 #include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
 
 namespace tandem {
 namespace {
 
 const void* key_of(const DeviceMesh& mesh) {
-  TANDEM_CHECK(mesh.ndim() == 1, "[parallel::SequenceLayoutScope] expected a 1-D mesh, got {}",
+  TANDEM_CHECK(mesh.ndim() >= 1, "[parallel::SequenceLayoutScope] expected a mesh, got {}",
                mesh.str());
-  return mesh.get_group().get();
+  return mesh.group_over(mesh.dim_names()).get();
 }
 
 std::shared_ptr<const void> checked(const DeviceMesh& mesh, SequenceLayout layout) {
@@ -49,6 +54,37 @@ SequenceLayoutScope::SequenceLayoutScope(const DeviceMesh& mesh, SequenceLayout 
 
 std::shared_ptr<const SequenceLayout> declared_sequence_layout(const ProcessGroup& group) {
   return std::static_pointer_cast<const SequenceLayout>(find_call_data(&group));
+}
+
+std::vector<int64_t> sequence_lengths(const Tensor& local, int64_t dim,
+                                      const ProcessGroupPtr& group, const char* who) {
+  TANDEM_CHECK(group != nullptr, "[parallel::sequence_lengths] expected a process group for {}",
+               who);
+  const int d = wrap_dim(dim, local.dim(), "sequence_lengths");
+  const auto layout = declared_sequence_layout(*group);
+  if (!layout) {
+    static std::mutex mu;
+    static std::set<std::string> said;
+    bool first = false;
+    {
+      // Not held across the gather: the other rank threads come here too.
+      std::lock_guard<std::mutex> lock(mu);
+      first = said.insert(who).second;
+    }
+    if (first) {
+      log_debug(
+          "[parallel] {} gathers every rank's sequence length from its group: no "
+          "SequenceLayoutScope declares the layout",
+          who);
+    }
+    return gather_lengths(local, group, d);
+  }
+  const int64_t want = layout->lengths.at(static_cast<size_t>(group->rank()));
+  TANDEM_CHECK(want == local.size(d),
+               "[parallel] expected rank {}'s sequence shard (dim {}) to hold the {} tokens the "
+               "declared layout gives it ({}), got {}",
+               group->rank(), d, want, who, local.size(d));
+  return layout->lengths;
 }
 
 }  // namespace tandem

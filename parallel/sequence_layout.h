@@ -42,7 +42,9 @@ struct SequenceLayout {
 // collective and say so once at debug level.
 class SequenceLayoutScope {
  public:
-  // `mesh` is 1-D: the ranks over which the sequence is sharded.
+  // `mesh`: the ranks over which the sequence is sharded, in the rank order
+  // of its group (a mesh of several dims stands for the group over all of
+  // them, as flatten() makes: context parallelism's (co, ds) mesh).
   SequenceLayoutScope(const DeviceMesh& mesh, SequenceLayout layout);
 
  private:
@@ -52,5 +54,12 @@ class SequenceLayoutScope {
 // The layout declared for sequences sharded over `group` on this thread; null
 // when none is in scope.
 std::shared_ptr<const SequenceLayout> declared_sequence_layout(const ProcessGroup& group);
+
+// Every rank's local length of the sequence that `local` holds a shard of
+// along `dim`, sharded over `group`: the declared layout, checked against this
+// rank's shard, or, where none is declared, gathered from the group (a small
+// collective read on the host; `who` says so once, at debug level).
+std::vector<int64_t> sequence_lengths(const Tensor& local, int64_t dim,
+                                      const ProcessGroupPtr& group, const char* who);
 
 }  // namespace tandem

@@ -2,7 +2,7 @@
 
 #include <fmt/ranges.h>
 
-#include <mutex>
+#include <numeric>
 
 #include "tandem/autograd/nn/linear.h"
 #include "tandem/autograd/ops.h"
@@ -36,46 +36,27 @@ void check_1d(const DeviceMesh& mesh, const char* style) {
 // Megatron MLP or attention block. A user-declared shard of another dim (a
 // sequence shard) takes its extent from the layout the caller declared for
 // this group (Note [Sequence layout as data]), checked against the local
-// shard; only where none is declared does from_local sum the extents over
-// the group, one small collective read on the host.
-int64_t declared_extent(const Tensor& local, int64_t dim, const DeviceMesh& mesh) {
+// shard; only where none is declared are the lengths gathered from the
+// group (sequence_lengths), one small collective read on the host.
+int64_t sequence_extent(const Tensor& local, int64_t dim, const DeviceMesh& mesh) {
   const ProcessGroupPtr group = mesh.get_group();
-  const auto layout = declared_sequence_layout(*group);
-  if (!layout) {
-    static std::once_flag once;
-    std::call_once(once, [] {
-      log_debug(
-          "[parallel] a tensor-parallel hook sums a sequence shard's extent over its group: "
-          "no SequenceLayoutScope declares the layout");
-    });
-    return -1;
-  }
-  const int64_t have = local.size(dim);
-  TANDEM_CHECK(layout->lengths.at(group->rank()) == have,
-               "[parallel] expected rank {}'s sequence shard (dim {}) to hold the {} tokens "
-               "the declared layout gives it, got {}",
-               group->rank(), dim, layout->lengths.at(group->rank()), have);
-  TANDEM_CHECK(layout->lengths == SequenceLayout::chunked(layout->total(), group->size()).lengths,
-               "[parallel] expected the declared sequence layout to split {} tokens over {} "
-               "ranks as Shard does (chunk semantics), got lengths {}",
-               layout->total(), group->size(), fmt::join(layout->lengths, ", "));
-  return layout->total();
+  const std::vector<int64_t> lengths =
+      sequence_lengths(local, dim, group, "a tensor-parallel hook");
+  const int64_t total = std::accumulate(lengths.begin(), lengths.end(), int64_t{0});
+  TANDEM_CHECK(lengths == SequenceLayout::chunked(total, group->size()).lengths,
+               "[parallel] expected the sequence layout (declared or gathered) to split {} "
+               "tokens over {} ranks as Shard does (chunk semantics), got lengths {}",
+               total, group->size(), fmt::join(lengths, ", "));
+  return total;
 }
 
 Tensor relayout(const Tensor& local, const Placement& from, const Placement& to,
                 const DeviceMesh& mesh, int64_t feature_extent = -1) {
   if (from == to) return local;
-  std::optional<Shape> global;
-  if (!from.is_shard()) {
-    global = local.shape();
-  } else {
+  Shape global = local.shape();
+  if (from.is_shard()) {
     const bool feature = from.dim == local.dim() - 1 && feature_extent >= 0;
-    const int64_t extent = feature ? feature_extent : declared_extent(local, from.dim, mesh);
-    if (extent >= 0) {
-      Shape g = local.shape();
-      g[from.dim] = extent;
-      global = g;
-    }
+    global[from.dim] = feature ? feature_extent : sequence_extent(local, from.dim, mesh);
   }
   return DTensor::from_local(local, mesh, {from}, global).redistribute({to}).to_local();
 }

@@ -2,6 +2,7 @@
 // single-rank attention on the whole sequence. The references run on the CPU;
 // the rank threads compute on test::test_device() (tests/support/test_device.h).
 #include <catch2/catch.hpp>
+#include <optional>
 
 #include "tandem/autograd/nn/attention.h"
 #include "tandem/autograd/ops.h"
@@ -194,6 +195,72 @@ TEST_CASE("context parallel rejects impossible layouts", "[cp]") {
     RANK_CHECK_THROWS_WITH(rc, core2->call(Args{t}), "expected k in the attention");
   });
   rc.report();
+}
+
+TEST_CASE("context parallel reads a declared sequence layout instead of gathering it", "[cp]") {
+  // Each mode, declared (Note [Sequence layout as data]) and not: the same
+  // output bits, one collective fewer in the declared forward (the lengths
+  // all-gather), and a declared layout that is not this shard's is refused.
+  const std::vector<Case> cases = {
+      {"ulysses", 4, 4, false, false, true, 16, 4, 4},
+      {"allgather-uneven", 4, 1, false, false, true, 13, 4, 2},
+      {"allgather-lb-uneven", 2, 1, false, true, true, 13, 4, 4},
+      {"ring-lb-uneven", 4, 1, true, true, true, 19, 4, 2},
+      {"hybrid-uneven", 4, 2, false, false, true, 14, 4, 4},
+  };
+  for (const Case& c : cases) {
+    INFO(describe(c));
+    const int64_t B = 2, D = 8;
+    Generator gen(5);
+    Tensor q = ops::randn({B, c.seq, c.heads, D}, gen);
+    Tensor k = ops::randn({B, c.seq, c.kv_heads, D}, gen);
+    Tensor v = ops::randn({B, c.seq, c.kv_heads, D}, gen);
+    tandem::testing::RankChecks rc;
+    run_ranks(c.cp, [&](ProcessGroupPtr pg) {
+      const int r = pg->rank();
+      // The hybrid case on a (co, ds) mesh: the layout is declared on that
+      // 2-D mesh, which stands for the group over both dims.
+      DeviceMesh mesh =
+          c.ds > 1 && c.ds < c.cp
+              ? DeviceMesh(pg, {c.cp / c.ds, c.ds}, {"co", "ds"}, {}, test::test_device())
+              : DeviceMesh(pg, {c.cp}, {"cp"}, {}, test::test_device());
+      auto core = std::make_shared<nn::CoreAttention>(AttentionOptions{.causal = c.causal});
+      ContextParallel config;
+      config.ulysses_degree = c.ds;
+      config.load_balance = c.load_balance;
+      config.mode = c.ring ? CPMode::Ring : CPMode::Auto;
+      config.apply(core, mesh);
+      auto shard = [&](const Tensor& t) {
+        return test::on_test_device(shard_sequence(t, 1, c.cp, r, c.load_balance));
+      };
+      const Tensor ql = shard(q), kl = shard(k), vl = shard(v);
+      std::vector<Tensor> outs;
+      std::vector<uint64_t> collectives;
+      for (bool declared : {false, true}) {
+        std::optional<SequenceLayoutScope> layout;
+        if (declared) layout.emplace(mesh, shard_sequence_layout(c.seq, c.cp, c.load_balance));
+        uint64_t before = 0;
+        for (const ProcessGroupPtr& g : mesh.all_groups())
+          before += g->ledger().size();
+        outs.push_back(test::on_cpu(core->call(Args{ql, kl, vl})[0]));
+        uint64_t after = 0;
+        for (const ProcessGroupPtr& g : mesh.all_groups())
+          after += g->ledger().size();
+        collectives.push_back(after - before);
+      }
+      RANK_CHECK(rc, ops::equal(outs[0], outs[1]));
+      RANK_CHECK(rc, collectives[1] + 1 == collectives[0]);
+      std::vector<int64_t> wrong = shard_sequence_layout(c.seq, c.cp, c.load_balance).lengths;
+      wrong[static_cast<size_t>(r)] += 1;
+      SequenceLayoutScope layout(mesh, SequenceLayout{.lengths = wrong});
+      rc.throws_with(
+          [&] {
+            core->call(Args{ql, kl, vl});
+          },
+          "declared layout gives it", "a wrong declared layout");
+    });
+    rc.report();
+  }
 }
 
 TEST_CASE("async context parallel equals the sync variant and single-rank attention",
