@@ -141,5 +141,9 @@ Tensor exchange_open(const std::shared_ptr<Exchange>& ex, const Tensor& x);
 void exchange_start(const std::shared_ptr<Exchange>& ex, const Tensor& x);
 Tensor exchange_launch(const std::shared_ptr<Exchange>& ex, const Tensor& x);
 Tensor exchange_wait(const std::shared_ptr<Exchange>& ex, const Tensor& in_flight);
+// Waits for a collective exchange_start issued whose result nobody reads, and
+// forgets it; no node is recorded, so the exchange's Open passes its gradient
+// through.
+void exchange_drop(const std::shared_ptr<Exchange>& ex);
 
 }  // namespace tandem

@@ -19,13 +19,10 @@ namespace tandem {
 
 namespace {
 
-using cp_detail::block_sums;
 using cp_detail::CPCallState;
 using cp_detail::ds_block_lengths;
 using cp_detail::layout_of;
 using cp_detail::qkv_slots;
-using cp_detail::replicate_heads;
-using cp_detail::restore_sequence_order;
 using cp_detail::set_layout;
 
 // Refuses what no layout supports, before any group is made.
@@ -95,35 +92,6 @@ std::shared_ptr<CPRuntime> make_runtime(const std::shared_ptr<nn::CoreAttention>
   return rt;
 }
 
-// Ulysses: Q, K and V from sequence- to head-sharded over the ds group.
-void scatter_heads(Tensor& q, Tensor& k, Tensor& v, const CPCallState& s, const CPRuntime& rt,
-                   int64_t sd, int64_t hd) {
-  const int ds = rt.ds;
-  const int64_t hq = q.shape()[hd];
-  TANDEM_CHECK(hq % ds == 0,
-               "[parallel::ContextParallel] expected query heads divisible by the Ulysses "
-               "degree, got {} heads and degree {}",
-               hq, ds);
-  std::vector<int64_t> ds_lengths = ds_block_lengths(s.lengths, rt.cp_group->rank(), ds);
-  q = all_to_all_dims(q, rt.ds_group, hd, sd, {}, ds_lengths);
-  k = all_to_all_dims(replicate_heads(k, hd, ds), rt.ds_group, hd, sd, {}, ds_lengths);
-  v = all_to_all_dims(replicate_heads(v, hd, ds), rt.ds_group, hd, sd, {}, ds_lengths);
-}
-
-// All-gather KV: K and V gathered along the sequence over the co group.
-void gather_kv(Tensor& k, Tensor& v, const CPCallState& s, const CPRuntime& rt,
-               const ContextParallel& config) {
-  const int64_t sd = config.seq_dim;
-  std::vector<int64_t> co_lengths = block_sums(s.lengths, rt.ds);
-  k = all_gather_dim(k, rt.co_group, sd, co_lengths);
-  v = all_gather_dim(v, rt.co_group, sd, co_lengths);
-  if (config.load_balance) {
-    // Gathered in rank order; restore global order for the kernel.
-    k = restore_sequence_order(k, sd, s.lengths, s.total, rt.cp);
-    v = restore_sequence_order(v, sd, s.lengths, s.total, rt.cp);
-  }
-}
-
 // The pre-hook: records this forward's layout, then moves Q/K/V to where the
 // kernel reads them.
 void register_layout_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
@@ -135,8 +103,16 @@ void register_layout_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
     Tensor &q = *qkv[0], &k = *qkv[1], &v = *qkv[2];
     CPCallState s = set_layout(
         args, sequence_lengths(q, config.seq_dim, rt->cp_group, "a context-parallel layer"));
-    if (rt->ds > 1) scatter_heads(q, k, v, s, *rt, config.seq_dim, config.head_dim);
-    if (rt->co > 1 && !ring) gather_kv(k, v, s, *rt, config);
+    if (rt->ds > 1) {
+      const int64_t sd = config.seq_dim, hd = config.head_dim;
+      q = cp_detail::scatter_heads(q, false, s, *rt, sd, hd);
+      k = cp_detail::scatter_heads(k, true, s, *rt, sd, hd);
+      v = cp_detail::scatter_heads(v, true, s, *rt, sd, hd);
+    }
+    if (rt->co > 1 && !ring) {
+      k = cp_detail::gather_sequence(k, s, *rt, config);
+      v = cp_detail::gather_sequence(v, s, *rt, config);
+    }
     return args;
   });
 }
@@ -211,6 +187,32 @@ void register_output_hook(const std::shared_ptr<nn::CoreAttention>& core,
 }
 
 }  // namespace
+
+namespace cp_detail {
+
+Tensor scatter_heads(const Tensor& t, bool kv, const CPCallState& s, const CPRuntime& rt,
+                     int64_t sd, int64_t hd) {
+  const int ds = rt.ds;
+  if (!kv) {
+    TANDEM_CHECK(t.shape()[hd] % ds == 0,
+                 "[parallel::ContextParallel] expected query heads divisible by the Ulysses "
+                 "degree, got {} heads and degree {}",
+                 t.shape()[hd], ds);
+  }
+  std::vector<int64_t> ds_lengths = ds_block_lengths(s.lengths, rt.cp_group->rank(), ds);
+  return all_to_all_dims(kv ? replicate_heads(t, hd, ds) : t, rt.ds_group, hd, sd, {}, ds_lengths);
+}
+
+Tensor gather_sequence(const Tensor& t, const CPCallState& s, const CPRuntime& rt,
+                       const ContextParallel& config) {
+  const int64_t sd = config.seq_dim;
+  Tensor gathered = all_gather_dim(t, rt.co_group, sd, block_sums(s.lengths, rt.ds));
+  // Gathered in rank order; the kernel reads global order.
+  return config.load_balance ? restore_sequence_order(gathered, sd, s.lengths, s.total, rt.cp)
+                             : gathered;
+}
+
+}  // namespace cp_detail
 
 void ContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
                             const DeviceMesh& mesh) const {

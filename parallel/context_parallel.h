@@ -111,7 +111,10 @@ struct ContextParallel {
 // Ulysses (ulysses_degree == cp) and all-gather KV (ulysses_degree == 1, with
 // or without load balance); the projections output (B, S, heads * head_size),
 // and q/k/v reach the attention as views of those outputs (reshaped, nothing
-// computed in between; anything else is refused with an error).
+// computed in between). Where they do not — a null or fused (one module for
+// two of q/k/v) projection, a rotary embedding between projection and
+// attention — those collectives run synchronously, as ContextParallel's, and
+// a debug-level line says which and why (Note [Async CP fallback]).
 struct AsyncContextParallel {
   ContextParallel config;
   int64_t head_size = 0;

@@ -9,9 +9,11 @@
 // layout are ContextParallel's (context_parallel.cpp, installed without its
 // pre-hook collectives). Per-call state: Note [CP per-call state].
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <thread>
 
 #include "tandem/autograd/function.h"
 #include "tandem/autograd/ops.h"
@@ -20,6 +22,7 @@
 #include "tandem/parallel/cp_internal.h"
 #include "tandem/parallel/dtensor.h"
 #include "tandem/runtime/error.h"
+#include "tandem/runtime/logging.h"
 
 namespace tandem {
 
@@ -42,21 +45,26 @@ struct Handoff {
     Tensor output;  // the projection output the exchange was started on
     std::shared_ptr<Exchange> exchange;
     std::vector<int64_t> lengths;  // every rank's local sequence length
+    int slot = 0;                  // 0, 1, 2: q, k, v
+    std::thread::id thread;        // the forward's thread
   };
   struct Lengths {
     Tensor input;  // keeps the key's storage alive while the entry exists
     std::vector<int64_t> lengths;
     int uses_left = 0;
+    std::thread::id thread;  // the forward's thread
   };
   std::mutex mu;
   std::map<const void*, Started> started;  // by the output's storage
   std::map<ViewKey, Lengths> lengths;      // by the projections' common input
+  std::atomic<bool> said_fallback{false};  // the fallback's debug line, once per layer
 };
 
 // What the hooks of one async layer share; each hook keeps a copy.
 struct AsyncLayer {
   std::shared_ptr<Handoff> handoff;
-  ProcessGroupPtr group;  // the CP group
+  std::shared_ptr<CPRuntime> rt;  // the groups, for the synchronous fallback
+  ProcessGroupPtr group;          // the CP group
   int cp = 1;
   int64_t hs = 0;  // head size
   bool ulysses = false;
@@ -64,12 +72,8 @@ struct AsyncLayer {
   int projections = 3;  // hooked projections (all-gather KV leaves q alone)
 };
 
-void check_options(const AsyncContextParallel& async, const std::shared_ptr<Module>& q_proj,
-                   const std::shared_ptr<Module>& k_proj, const std::shared_ptr<Module>& v_proj,
-                   const DeviceMesh& mesh) {
+void check_options(const AsyncContextParallel& async, const DeviceMesh& mesh) {
   const ContextParallel& config = async.config;
-  TANDEM_CHECK(q_proj && k_proj && v_proj,
-               "[parallel::AsyncContextParallel] expected q, k and v projection modules");
   TANDEM_CHECK(async.head_size > 0,
                "[parallel::AsyncContextParallel] expected head_size > 0 (the projections output "
                "heads * head_size features), got {}",
@@ -108,7 +112,7 @@ std::vector<int64_t> forward_lengths(const AsyncLayer& layer, const Tensor& x, c
       sequence_lengths(y, 1, layer.group, "an async context-parallel layer");
   if (layer.projections > 1) {
     std::lock_guard<std::mutex> lock(h.mu);
-    h.lengths[key] = {x, lengths, layer.projections - 1};
+    h.lengths[key] = {x, lengths, layer.projections - 1, std::this_thread::get_id()};
   }
   return lengths;
 }
@@ -177,12 +181,10 @@ void register_launch_hook(const std::shared_ptr<Module>& proj, int i, const Asyn
   proj->register_forward_hook(
       [=](Module&, const Args& in,
           const std::vector<Tensor>& outs) -> std::optional<std::vector<Tensor>> {
-        const int64_t hs = layer.hs;
         const Tensor& y = outs.at(0);  // (B, S, heads * hs), already past the backward pre-hook
-        TANDEM_CHECK(y.dim() == 3 && y.shape()[2] % hs == 0,
-                     "[parallel::AsyncContextParallel] expected a projection output (B, S, heads * "
-                     "{}), got {}",
-                     hs, y.shape());
+        // Anything else is left alone; the attention pre-hook then finds no
+        // exchange for it and falls back (Note [Async CP fallback]).
+        if (y.dim() != 3 || y.shape()[2] % layer.hs != 0) return std::nullopt;
         const Tensor& x = in.positional.empty() ? y : in.positional[0];
         std::vector<int64_t> lengths = forward_lengths(layer, x, y);
         auto ex = std::make_shared<Exchange>(layer.ulysses
@@ -192,45 +194,109 @@ void register_launch_hook(const std::shared_ptr<Module>& proj, int i, const Asyn
         out[0] = exchange_open(ex, y);
         exchange_start(ex, out[0]);
         std::lock_guard<std::mutex> lock(layer.handoff->mu);
-        layer.handoff->started[out[0].storage().get()] = {out[0], ex, lengths};
+        layer.handoff->started[out[0].storage().get()] = {out[0], ex, lengths, i,
+                                                          std::this_thread::get_id()};
         return out;
       });
 }
 
+// Note [Async CP fallback]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// The async path needs each of q/k/v to reach the attention as a view of the
+// output its projection's hook started a collective on. Where that does not
+// hold, the layer falls back to the synchronous collectives of ContextParallel
+// (the reference design does the same), with one debug line per layer:
+//   - at apply(): a projection is missing, or one module stands for two of
+//     q/k/v (a fused QKV projection) — the whole layer is ContextParallel's;
+//   - per forward and tensor: something is computed between the projection
+//     and the attention (a rotary embedding, a norm), or the projection's
+//     output is not (B, S, heads * head_size). That tensor's collective runs
+//     in the attention pre-hook as in ContextParallel; the others stay async.
+//     A collective the projection hook started on an output that never
+//     reached the attention is waited and dropped there (every rank started
+//     it, so every rank must finish it); no Launch was recorded for it, so its
+//     Open passes the gradient through in backward.
+// The orphans are found by thread: between a projection's hook and the
+// attention pre-hook of one forward, no other forward of this layer runs on
+// the same thread.
+
 // The attention pre-hook: finds the exchanges the projections started,
 // records their Launch and Wait (after every projection, so that backward
 // issues all reverse collectives before the first Open waits), records the
-// layout for the kernel and puts what arrived in place of q/k/v.
+// layout for the kernel and puts what arrived in place of q/k/v; a tensor
+// without an exchange gets the synchronous collective (Note [Async CP
+// fallback]).
 void register_join_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
                             const ContextParallel& cfg, const AsyncLayer& layer) {
   core->register_forward_pre_hook([=](Module&, const Args& in) -> std::optional<Args> {
     Args args = in;
     std::vector<Tensor*> qkv = qkv_slots(args, cfg);
     static const char* names[] = {"q", "k", "v"};
+    const int first = layer.ulysses ? 0 : 1;  // all-gather KV leaves q alone
     std::vector<std::optional<Handoff::Started>> started(3);
+    std::vector<Handoff::Started> orphans;
     {
       std::lock_guard<std::mutex> lock(layer.handoff->mu);
-      for (int i = layer.ulysses ? 0 : 1; i < 3; ++i) {
-        auto it = layer.handoff->started.find(qkv[i]->storage().get());
-        TANDEM_CHECK(it != layer.handoff->started.end(),
-                     "[parallel::AsyncContextParallel] expected {} to be a view of its "
-                     "projection's output (reshaped, nothing computed in between), got a tensor "
-                     "{} no projection hook started a collective for",
-                     names[i], qkv[i]->shape());
+      auto& open = layer.handoff->started;
+      for (int i = first; i < 3; ++i) {
+        auto it = open.find(qkv[i]->storage().get());
+        if (it == open.end()) continue;
         started[i] = std::move(it->second);
-        layer.handoff->started.erase(it);
+        open.erase(it);
       }
+      for (auto it = open.begin(); it != open.end();) {
+        if (it->second.thread != std::this_thread::get_id()) {
+          ++it;
+          continue;
+        }
+        orphans.push_back(std::move(it->second));
+        it = open.erase(it);
+      }
+      // Lengths a projection left for one that was not hooked (or skipped).
+      std::erase_if(layer.handoff->lengths,
+                    [](const auto& e) { return e.second.thread == std::this_thread::get_id(); });
     }
-    const std::vector<int64_t>& lengths = started[2]->lengths;
+    // Every rank finishes its orphans in the same (slot) order.
+    std::sort(orphans.begin(), orphans.end(),
+              [](const Handoff::Started& a, const Handoff::Started& b) { return a.slot < b.slot; });
+    for (const Handoff::Started& e : orphans)
+      exchange_drop(e.exchange);
+
+    std::vector<int64_t> lengths;
+    for (int i = first; i < 3 && lengths.empty(); ++i) {
+      if (started[i]) lengths = started[i]->lengths;
+    }
+    if (lengths.empty() && !orphans.empty()) lengths = orphans.front().lengths;
+    if (lengths.empty()) {
+      lengths = sequence_lengths(*qkv[first], 1, layer.group, "an async context-parallel layer");
+    }
     cp_detail::CPCallState s = cp_detail::set_layout(args, lengths);
-    for (int i = 0; i < 3; ++i) {
-      if (!started[i]) continue;
+
+    std::string fallback;
+    for (int i = first; i < 3; ++i) {
+      if (!started[i]) {
+        fallback += fallback.empty() ? names[i] : fmt::format(", {}", names[i]);
+        *qkv[i] = layer.ulysses ? cp_detail::scatter_heads(*qkv[i], i > 0, s, *layer.rt, 1, 2)
+                                : cp_detail::gather_sequence(*qkv[i], s, *layer.rt, cfg);
+        continue;
+      }
       const Handoff::Started& e = *started[i];
       Tensor joined = exchange_wait(e.exchange, exchange_launch(e.exchange, e.output));
       if (!layer.ulysses && layer.load_balance)
         joined = restore_sequence_order(joined, 1, s.lengths, s.total, layer.cp);
       const int64_t B = e.output.shape()[0];
       *qkv[i] = reshape(joined, Shape{B, s.total, joined.shape()[2] / layer.hs, layer.hs});
+    }
+    if (!fallback.empty() && !layer.handoff->said_fallback.exchange(true)) {
+      log_debug(
+          "[parallel] an async context-parallel layer runs the collectives of {} synchronously: "
+          "not a view of the output its projection's hook started a collective on (something "
+          "is computed in between, or the projection's output is not (B, S, heads * {}))"
+          "{}",
+          fallback, layer.hs,
+          orphans.empty() ? ""
+                          : "; the collectives started on those projection outputs are waited "
+                            "and dropped");
     }
     return args;
   });
@@ -243,22 +309,40 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
                                  const std::shared_ptr<Module>& k_proj,
                                  const std::shared_ptr<Module>& v_proj,
                                  const DeviceMesh& mesh) const {
-  check_options(*this, q_proj, k_proj, v_proj, mesh);
+  check_options(*this, mesh);
+  const bool ulysses = config.ulysses_degree > 1;
+  std::vector<std::shared_ptr<Module>> projections = {q_proj, k_proj, v_proj};
+  // Note [Async CP fallback]: the projections the async path hooks.
+  std::string why;
+  for (int i = ulysses ? 0 : 1; i < 3 && why.empty(); ++i) {
+    static const char* names[] = {"q", "k", "v"};
+    if (!projections[i]) why = fmt::format("no {} projection was given", names[i]);
+    for (int j = ulysses ? 0 : 1; j < i && why.empty(); ++j) {
+      if (projections[i] == projections[j]) {
+        why = fmt::format("{} and {} come from one projection (fused QKV)", names[j], names[i]);
+      }
+    }
+  }
+  if (!why.empty()) {
+    log_debug(
+        "[parallel] AsyncContextParallel falls back to ContextParallel's synchronous "
+        "collectives: {}",
+        why);
+    config.apply(core, mesh);
+    return;
+  }
   std::shared_ptr<CPRuntime> rt = config.install(core, mesh, false);
   AsyncLayer layer;
   layer.handoff = std::make_shared<Handoff>();
+  layer.rt = rt;
   layer.group = rt->cp_group;
   layer.cp = rt->cp;
   layer.hs = head_size;
   layer.ulysses = rt->ds > 1;
   layer.load_balance = config.load_balance;
   layer.projections = layer.ulysses ? 3 : 2;
-
-  std::vector<std::shared_ptr<Module>> projections = {q_proj, k_proj, v_proj};
-  for (int i = 0; i < 3; ++i) {
-    if (!layer.ulysses && i == 0) continue;  // all-gather KV leaves Q where it is
+  for (int i = layer.ulysses ? 0 : 1; i < 3; ++i)
     register_launch_hook(projections[i], i, layer);
-  }
   register_join_pre_hook(core, config, layer);
 }
 

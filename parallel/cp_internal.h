@@ -52,6 +52,17 @@ std::vector<Tensor*> qkv_slots(Args& args, const ContextParallel& cp);
 // than the Ulysses degree); the expand's backward sums the copies.
 Tensor replicate_heads(const Tensor& t, int64_t head_dim, int64_t degree);
 
+// The synchronous collectives of the pre-hook, one tensor at a time (the
+// async variant falls back to them: Note [Async CP fallback]). Ulysses: `t`
+// (a query, or with `kv` a key or value, whose heads are replicated where ds
+// does not divide them) from sequence- to head-sharded over the ds group.
+// All-gather KV: `t` gathered along the sequence over the co group, in global
+// order.
+Tensor scatter_heads(const Tensor& t, bool kv, const CPCallState& s, const CPRuntime& rt,
+                     int64_t sd, int64_t hd);
+Tensor gather_sequence(const Tensor& t, const CPCallState& s, const CPRuntime& rt,
+                       const ContextParallel& config);
+
 // Per-rank sums of `lengths` over groups of `ds` adjacent ranks.
 std::vector<int64_t> block_sums(const std::vector<int64_t>& lengths, int ds);
 

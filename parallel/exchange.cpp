@@ -94,4 +94,12 @@ Tensor exchange_wait(const std::shared_ptr<Exchange>& ex, const Tensor& in_fligh
   return apply_exchange<ExchangeWait>(ex, in_flight);
 }
 
+void exchange_drop(const std::shared_ptr<Exchange>& ex) {
+  TANDEM_CHECK(ex && ex->forward_pending.launched(),
+               "[parallel::Exchange] expected a started exchange to drop");
+  NoGradGuard no_grad;
+  ex->forward_pending.wait();
+  ex->forward_pending = {};
+}
+
 }  // namespace tandem

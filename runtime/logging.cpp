@@ -7,6 +7,8 @@
 #include <mutex>
 #include <optional>
 
+#include "tandem/runtime/error.h"
+
 namespace tandem {
 namespace {
 
@@ -29,6 +31,10 @@ std::mutex process_mu;
 LogContext process_context;
 thread_local std::optional<LogContext> thread_context;
 thread_local std::string thread_label;
+
+// The live LogCapture's lines; guarded by out_mu.
+std::mutex out_mu;  // one line at a time across threads
+std::vector<std::string>* captured = nullptr;
 
 }  // namespace
 
@@ -69,9 +75,38 @@ void log_message(LogLevel level, const std::string& message) {
                                                  kLetters[static_cast<int>(level)])
                                    : fmt::format("[tandem {}]", kLetters[static_cast<int>(level)]);
   std::string line = fmt::format("{} {}\n", prefix, message);
-  static std::mutex out_mu;  // one line at a time across threads
   std::lock_guard<std::mutex> lock(out_mu);
   std::fputs(line.c_str(), stderr);
+  if (captured != nullptr) captured->push_back(line.substr(0, line.size() - 1));
+}
+
+LogCapture::LogCapture(LogLevel level) : saved_(log_level()) {
+  std::lock_guard<std::mutex> lock(out_mu);
+  TANDEM_CHECK(captured == nullptr,
+               "[runtime::LogCapture] expected one capture at a time, got a "
+               "second while the first lives");
+  captured = new std::vector<std::string>();
+  set_log_level(level);
+}
+
+LogCapture::~LogCapture() {
+  set_log_level(saved_);
+  std::lock_guard<std::mutex> lock(out_mu);
+  delete captured;
+  captured = nullptr;
+}
+
+std::vector<std::string> LogCapture::lines() const {
+  std::lock_guard<std::mutex> lock(out_mu);
+  return *captured;
+}
+
+std::vector<std::string> LogCapture::matching(const std::string& text) const {
+  std::vector<std::string> out;
+  for (std::string& line : lines()) {
+    if (line.find(text) != std::string::npos) out.push_back(std::move(line));
+  }
+  return out;
 }
 
 }  // namespace tandem

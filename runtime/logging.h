@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <string>
+#include <vector>
 
 namespace tandem {
 
@@ -28,6 +29,23 @@ const std::string& thread_name();
 LogLevel log_level();
 void set_log_level(LogLevel level);
 void log_message(LogLevel level, const std::string& message);
+
+// Keeps the lines logged while it lives (they still go to stderr), at
+// `level` and above, with their rank prefix: for tests that check what the
+// runtime says. One capture at a time.
+class LogCapture {
+ public:
+  explicit LogCapture(LogLevel level = LogLevel::Debug);
+  ~LogCapture();
+  LogCapture(const LogCapture&) = delete;
+  LogCapture& operator=(const LogCapture&) = delete;
+  std::vector<std::string> lines() const;
+  // The lines that contain `text`.
+  std::vector<std::string> matching(const std::string& text) const;
+
+ private:
+  LogLevel saved_;
+};
 
 template <class... Args>
 void log_debug(fmt::format_string<Args...> f, Args&&... args) {

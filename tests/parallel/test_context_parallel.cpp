@@ -9,6 +9,7 @@
 #include "tandem/comm/threads/threads_backend.h"
 #include "tandem/parallel/context_parallel.h"
 #include "tandem/parallel/tensor_parallel.h"
+#include "tandem/runtime/logging.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_device.h"
 
@@ -88,6 +89,37 @@ void check_case(const Case& c) {
     if (!e.empty()) WARN(e);
   }
 }
+
+// Self-attention with something computed between a projection and the core
+// attention (a gelu standing in for a rotary embedding) on the slots set in
+// `bent` (bit 0: q, 1: k, 2: v).
+class BentAttention final : public Module {
+ public:
+  BentAttention(std::shared_ptr<nn::SelfAttention> attn, int bent)
+      : Module("BentAttention"), bent_(bent) {
+    attn_ = register_module("attn", std::move(attn));
+  }
+  const std::shared_ptr<nn::SelfAttention>& attn() const { return attn_; }
+
+ protected:
+  std::vector<Tensor> forward(Args& args) override {
+    const Tensor& x = args.positional.at(0);
+    const int64_t B = x.shape()[0], S = x.shape()[1], hs = attn_->head_dim();
+    std::vector<Tensor> qkv;
+    int slot = 0;
+    for (const auto& proj : {attn_->q_proj(), attn_->k_proj(), attn_->v_proj()}) {
+      Tensor y = (*proj)(x);
+      if (bent_ & (1 << slot++)) y = gelu(y);
+      qkv.push_back(reshape(y, Shape{B, S, y.shape()[2] / hs, hs}));
+    }
+    Tensor o = attn_->core()->call(Args{qkv[0], qkv[1], qkv[2]})[0];
+    return {(*attn_->o_proj())(reshape(o, Shape{B, S, o.shape()[2] * hs}))};
+  }
+
+ private:
+  std::shared_ptr<nn::SelfAttention> attn_;
+  int bent_;
+};
 
 }  // namespace
 
@@ -224,7 +256,9 @@ TEST_CASE("context parallel reads a declared sequence layout instead of gatherin
           c.ds > 1 && c.ds < c.cp
               ? DeviceMesh(pg, {c.cp / c.ds, c.ds}, {"co", "ds"}, {}, test::test_device())
               : DeviceMesh(pg, {c.cp}, {"cp"}, {}, test::test_device());
-      auto core = std::make_shared<nn::CoreAttention>(AttentionOptions{.causal = c.causal});
+      AttentionOptions options;
+      options.causal = c.causal;
+      auto core = std::make_shared<nn::CoreAttention>(options);
       ContextParallel config;
       config.ulysses_degree = c.ds;
       config.load_balance = c.load_balance;
@@ -344,6 +378,96 @@ TEST_CASE("async context parallel equals the sync variant and single-rank attent
     });
     for (int b : bad)
       CHECK(b == 0);
+  }
+}
+
+TEST_CASE("async context parallel falls back to the synchronous collectives where it must",
+          "[cp][async]") {
+  // How the async layer is given its projections.
+  enum class Given { Separate, Null, Fused };
+  struct FallbackCase {
+    int cp;
+    int ds;
+    bool load_balance;
+    int64_t kv_heads;
+    int bent;  // slots with a tensor computed after the projection
+    Given given;
+    const char* said;  // in the one debug line per rank
+  };
+  const char* per_tensor = "runs the collectives of {} synchronously";
+  for (FallbackCase c : {
+           FallbackCase{2, 2, false, 4, 0b011, Given::Separate, "q, k"},
+           FallbackCase{4, 4, false, 2, 0b010, Given::Separate, "k"},
+           FallbackCase{4, 1, true, 4, 0b100, Given::Separate, "v"},
+           FallbackCase{2, 1, false, 2, 0b111, Given::Separate, "k, v"},
+           FallbackCase{2, 2, false, 4, 0b111, Given::Separate, "q, k, v"},
+           FallbackCase{2, 2, false, 4, 0, Given::Null, "no q projection was given"},
+           FallbackCase{4, 1, true, 2, 0b001, Given::Fused, "k and v come from one projection"},
+       }) {
+    const std::string said = c.given == Given::Separate
+                                 ? fmt::format(fmt::runtime(per_tensor), c.said)
+                                 : std::string(c.said);
+    INFO("cp=" << c.cp << " ds=" << c.ds << " lb=" << c.load_balance << " bent=" << c.bent
+               << " expecting: " << said);
+    const int64_t B = 2, S = 13, d = 32, H = 4;
+    Generator gen(5);
+    Tensor x = ops::randn({B, S, d}, gen);
+    Tensor w = ops::randn({B, S, d}, gen);
+    LogCapture log;
+    std::vector<int> bad(static_cast<size_t>(c.cp), 0);
+    run_ranks(c.cp, [&](ProcessGroupPtr pg) {
+      const int r = pg->rank();
+      DeviceMesh mesh(pg, {c.cp}, {"cp"}, {}, test::test_device());
+      std::vector<std::vector<Tensor>> results;  // per variant: outputs, dx, weight grads
+      for (bool async : {false, true}) {
+        Generator g(1);
+        auto model = std::make_shared<BentAttention>(
+            nn::make<nn::SelfAttention>(
+                {.d_model = d, .n_heads = H, .n_kv_heads = c.kv_heads, .causal = true}, g),
+            c.bent);
+        model->to(test::test_device());
+        const auto& attn = model->attn();
+        ContextParallel config;
+        config.ulysses_degree = c.ds;
+        config.load_balance = c.load_balance;
+        if (async) {
+          AsyncContextParallel a;
+          a.config = config;
+          a.head_size = d / H;
+          std::shared_ptr<Module> q = attn->q_proj(), k = attn->k_proj(), v = attn->v_proj();
+          if (c.given == Given::Null) q = k = v = nullptr;
+          if (c.given == Given::Fused) k = v;
+          a.apply(attn->core(), q, k, v, mesh);
+        } else {
+          config.apply(attn->core(), mesh);
+        }
+        std::vector<Tensor> got;
+        for (int step = 0; step < 2; ++step) {  // the second forward says nothing new
+          Tensor xl = test::on_test_device(shard_sequence(x, 1, c.cp, r, c.load_balance));
+          set_requires_grad(xl);
+          Tensor out = (*model)(xl);
+          backward(
+              sum(mul(out, test::on_test_device(shard_sequence(w, 1, c.cp, r, c.load_balance)))));
+          got.push_back(test::on_cpu(out));
+          got.push_back(test::on_cpu(grad(xl)));
+        }
+        for (auto& [name, p] : model->named_parameters())
+          got.push_back(test::on_cpu(grad(p)));  // two steps' partial sums
+        results.push_back(got);
+      }
+      int b = results[0].size() == results[1].size() ? 0 : 100;
+      for (size_t i = 0; i < results[0].size() && b == 0; ++i) {
+        b += i < 4 ? (ops::equal(results[0][i], results[1][i]) ? 0 : 1)
+                   : (ops::allclose(results[0][i], results[1][i], 1e-6, 1e-7) ? 0 : 1);
+      }
+      bad[r] = b;
+    });
+    for (int b : bad)
+      CHECK(b == 0);
+    // One line per rank for the layer, however many forwards it ran.
+    CHECK(log.matching(said).size() == static_cast<size_t>(c.cp));
+    CHECK(log.matching("[parallel]").size() ==
+          static_cast<size_t>(c.cp) + log.matching("gathers every rank").size());
   }
 }
 

@@ -512,6 +512,25 @@ TEST_CASE("log context is per thread with a process-wide default", "[log]") {
   set_log_context(saved_thread);
 }
 
+TEST_CASE("LogCapture keeps the lines at its level from every thread, one capture at a time",
+          "[log]") {
+  const LogLevel before = log_level();
+  {
+    LogCapture log(LogLevel::Info);
+    REQUIRE(log_level() == LogLevel::Info);
+    log_debug("below the level {}", 1);
+    log_info("kept {}", 2);
+    std::thread([] { log_warn("from another thread"); }).join();
+    REQUIRE(log.lines().size() == 2);
+    REQUIRE(log.matching("kept 2").size() == 1);
+    REQUIRE(log.matching("kept 2")[0].find(" I] kept 2") != std::string::npos);
+    REQUIRE(log.matching("another thread").size() == 1);
+    REQUIRE(log.matching("below the level").empty());
+    REQUIRE_THROWS_WITH(LogCapture(), Catch::Contains("one capture at a time"));
+  }
+  REQUIRE(log_level() == before);
+}
+
 TEST_CASE("thread names are per thread", "[log]") {
   const std::string saved = thread_name();
   set_thread_name("main-test");
