@@ -139,7 +139,10 @@ std::vector<SeqPiece> local_query_pieces(const CPCallState& s, const CPRuntime& 
   return pieces;
 }
 
-// The kernel: positions of the local queries against the keys held.
+// The kernel: positions of the local queries against the keys held. Packed
+// sequences need nothing more: `options` carries the document bounds in
+// global positions (Note [Packed sequences] in tensor/ops.h), and each call
+// below (and each ring step) passes them with its own offsets.
 void set_attention_kernel(const std::shared_ptr<nn::CoreAttention>& core,
                           const ContextParallel& config, const std::shared_ptr<CPRuntime>& rt) {
   const bool ring = config.mode == CPMode::Ring;

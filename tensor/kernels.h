@@ -75,6 +75,12 @@ struct AttentionArgs {
   double scale = 1.0;
   bool causal = false;
   int64_t q_offset = 0, k_offset = 0;
+  // Packed sequences (Note [Packed sequences] in tensor/ops.h): when set, query
+  // row i of batch b sees keys [w[0], w[1]) with w = windows + 2 * (row * seq_q
+  // + i), row = b or 0 (window_rows == 1), in memory of the kernel's device;
+  // causal and the offsets are folded in. Each bound is non-decreasing in i.
+  const int32_t* windows = nullptr;
+  int64_t window_rows = 0;
 };
 
 // The kernels of every backend, one entry each: X(name, (parameters),

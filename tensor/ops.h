@@ -7,6 +7,7 @@
 // These functions are not differentiable; autograd/ wraps them.
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -45,11 +46,41 @@ struct CrossEntropyOptions {
   double label_smoothing = 0.0;  // in [0, 1]
 };
 
+// Note [Packed sequences]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Several documents laid end to end along one sequence, each attending only
+// to itself (PyTorch's document masking, FlashAttention's varlen API). The
+// boundaries are data: `cumulative` holds them in global positions, as
+// FlashAttention's cu_seqlens, {0, l0, l0 + l1, ..., total}, one list shared
+// by every batch row or one list per row; documents may be empty. A query at
+// global position p in document d (cumulative[d] <= p < cumulative[d + 1])
+// sees the keys of d, and with `causal` only those at positions <= p. The
+// front end turns them into one key window per query row, [begin, end) in
+// the local keys (offsets applied), which is all the kernels read; so every
+// caller that attends to a piece of the sequence at known offsets (context
+// parallelism's shards, ring blocks, load-balanced chunks) gets the masking of
+// the whole sequence by passing the same bounds.
+struct DocumentBounds {
+  std::vector<std::vector<int64_t>> cumulative;
+
+  // Checked: every list starts at 0 and never decreases; 1 list, or 1 per row.
+  static std::shared_ptr<const DocumentBounds> make(std::vector<std::vector<int64_t>> cumulative);
+  // From each row's document lengths (one list for all rows, or one per row).
+  static std::shared_ptr<const DocumentBounds> from_lengths(
+      const std::vector<std::vector<int64_t>>& lengths);
+  // The list of batch row b.
+  const std::vector<int64_t>& row(int64_t b) const {
+    return cumulative.size() == 1 ? cumulative[0] : cumulative[static_cast<size_t>(b)];
+  }
+};
+
 struct AttentionOptions {
   bool causal = false;
   int64_t q_offset = 0;
   int64_t k_offset = 0;
   std::optional<double> scale;  // default 1/sqrt(D)
+  // Packed sequences (Note [Packed sequences]); null: one document.
+  std::shared_ptr<const DocumentBounds> documents;
 };
 
 struct AttentionResult {
@@ -266,7 +297,9 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets,
 // keys all lie after it) give a zero output row and lse = -inf, where PyTorch
 // gives NaN; on purpose, since a sequence shard may legitimately hold no
 // visible key for some query rows (context parallelism) and their gradients
-// must stay finite.
+// must stay finite. With `documents`, a query also sees only the keys of its
+// own document (Note [Packed sequences]); the bounds must cover every query
+// and key position.
 // One fused kernel per device (Note [Fused CPU attention] in
 // tensor/cpu/attention.cpp); `out` is a (B, Hq, Sq, D) view of a (B, Sq, Hq, D)
 // contiguous buffer, so that merging the heads back is free.

@@ -8,6 +8,9 @@
 // tensors its kernel touches (Note [Kernel closures keep storage alive]).
 // cross_entropy is a composition of other ops, so it runs on any device that
 // has those ops; attention and the norm backward are fused kernels.
+#include <fmt/ranges.h>
+
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -130,8 +133,51 @@ Tensor heads_view(const Tensor& bshd) {
   return transpose(bshd, 1, 2);
 }
 
+// Note [Packed sequences]: every query row's key window [begin, end), in
+// local key positions, as (window_rows, Sq, 2) int32; the bounds are checked
+// against the positions the call covers.
+std::vector<int32_t> attention_windows(const AttentionOptions& o, int64_t B, int64_t Sq, int64_t Sk,
+                                       const char* op) {
+  const DocumentBounds& docs = *o.documents;
+  const int64_t rows = static_cast<int64_t>(docs.cumulative.size());
+  TANDEM_CHECK(rows == 1 || rows == B,
+               "[tensor::{}] expected document bounds for 1 or {} (batch) rows, got {}", op, B,
+               rows);
+  const int64_t last = std::max(o.q_offset + Sq, o.k_offset + Sk);
+  TANDEM_CHECK(last <= std::numeric_limits<int32_t>::max(),
+               "[tensor::{}] expected positions below 2^31 with document bounds, got {}", op, last);
+  std::vector<int32_t> w(static_cast<size_t>(rows * Sq * 2));
+  for (int64_t b = 0; b < rows; ++b) {
+    const std::vector<int64_t>& cu = docs.row(b);
+    TANDEM_CHECK(cu.back() >= last,
+                 "[tensor::{}] expected the documents of row {} to cover positions [0, {}) (q at "
+                 "{}, k at {}), got bounds ending at {}",
+                 op, b, last, o.q_offset, o.k_offset, cu.back());
+    for (int64_t i = 0; i < Sq; ++i) {
+      const int64_t p = o.q_offset + i;
+      // The document holding p: the last bound <= p (empty documents skipped).
+      const auto d = std::upper_bound(cu.begin(), cu.end(), p) - 1;
+      const int64_t end = o.causal ? p + 1 : *(d + 1);
+      w[static_cast<size_t>((b * Sq + i) * 2)] =
+          static_cast<int32_t>(std::clamp<int64_t>(*d - o.k_offset, 0, Sk));
+      w[static_cast<size_t>((b * Sq + i) * 2 + 1)] =
+          static_cast<int32_t>(std::clamp<int64_t>(end - o.k_offset, 0, Sk));
+    }
+  }
+  return w;
+}
+
+// The windows on the kernels' device, kept alive by the caller until they ran.
+Tensor windows_tensor(const AttentionOptions& o, int64_t B, int64_t Sq, int64_t Sk, Device dev,
+                      const char* op) {
+  if (!o.documents) return Tensor();
+  std::vector<int32_t> w = attention_windows(o, B, Sq, Sk, op);
+  const int64_t rows = static_cast<int64_t>(w.size()) / (2 * std::max<int64_t>(Sq, 1));
+  return from_vector(w, Shape{rows, Sq, 2}, dev);
+}
+
 AttentionArgs attention_args(const Tensor& q, const Tensor& k, const AttentionOptions& options,
-                             double scale) {
+                             double scale, const Tensor& windows) {
   AttentionArgs a;
   a.batch = q.size(0);
   a.heads_q = q.size(1);
@@ -143,6 +189,10 @@ AttentionArgs attention_args(const Tensor& q, const Tensor& k, const AttentionOp
   a.causal = options.causal;
   a.q_offset = options.q_offset;
   a.k_offset = options.k_offset;
+  if (windows.defined()) {
+    a.windows = windows.data_ptr<int32_t>();
+    a.window_rows = windows.size(0);
+  }
   return a;
 }
 
@@ -479,7 +529,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets,
 
 AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const AttentionOptions& options) {
-  check_attention_inputs(q, k, v, "scaled_dot_product_attention");
+  constexpr const char* op = "scaled_dot_product_attention";
+  check_attention_inputs(q, k, v, op);
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
   const int64_t Sk = k.size(2);
   const Device dev = q.device();
@@ -502,8 +553,15 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
           unsqueeze(arange(static_cast<double>(options.k_offset),
                            static_cast<double>(options.k_offset + Sk), 1.0, DType::I64, dev),
                     0);
-      const Tensor seen = options.causal ? sum(to(le(kpos, qpos), DType::F32), {1})
-                                         : full({Sq}, static_cast<double>(Sk), DType::F32, dev);
+      Tensor seen = options.causal ? sum(to(le(kpos, qpos), DType::F32), {1})
+                                   : full({Sq}, static_cast<double>(Sk), DType::F32, dev);
+      if (options.documents) {  // the window of each row of each batch row
+        std::vector<int32_t> w = attention_windows(options, B, Sq, Sk, op);
+        std::vector<float> n(w.size() / 2);
+        for (size_t i = 0; i < n.size(); ++i)
+          n[i] = static_cast<float>(w[2 * i + 1] - w[2 * i]);
+        seen = from_vector(n, Shape{static_cast<int64_t>(n.size()) / Sq, 1, Sq}, dev);
+      }
       copy_(r.lse, log(seen));
     }
     return r;
@@ -516,12 +574,14 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
   const Tensor vc = unit_stride_last(cast_if_needed(v, ct));
   const Tensor out = heads_view(empty({B, Sq, Hq, D}, ct, dev));
   r.lse = empty({B, Hq, Sq}, DType::F32, dev);
-  const AttentionArgs args = attention_args(q, k, options, scale);
+  const Tensor windows = windows_tensor(options, B, Sq, Sk, dev, op);
+  const AttentionArgs args = attention_args(q, k, options, scale, windows);
   const TensorArg qa = arg_of(qc), ka = arg_of(kc), va = arg_of(vc), oa = arg_of(out),
                   la = arg_of(r.lse);
   detail::dispatch(
       dev, [=] { cpu::attention(args, qa, ka, va, oa, la); },
-      [=](void* s) { cuda::attention(args, qa, ka, va, oa, la, s); }, qc, kc, vc, out, r.lse);
+      [=](void* s) { cuda::attention(args, qa, ka, va, oa, la, s); }, qc, kc, vc, out, r.lse,
+      windows);
   r.out = cast_if_needed(out, q.dtype());
   return r;
 }
@@ -563,14 +623,15 @@ std::vector<Tensor> scaled_dot_product_attention_backward(const Tensor& q, const
   const Tensor dq = heads_view(empty({B, Sq, Hq, D}, ct, dev));
   const Tensor dk = heads_view(empty({B, Sk, Hkv, D}, ct, dev));
   const Tensor dv = heads_view(empty({B, Sk, Hkv, D}, ct, dev));
-  const AttentionArgs args = attention_args(q, k, options, scale);
+  const Tensor windows = windows_tensor(options, B, Sq, Sk, dev, op);
+  const AttentionArgs args = attention_args(q, k, options, scale, windows);
   const TensorArg qa = arg_of(qc), ka = arg_of(kc), va = arg_of(vc), oa = arg_of(oc),
                   la = arg_of(lc), ga = arg_of(doc), dqa = arg_of(dq), dka = arg_of(dk),
                   dva = arg_of(dv);
   detail::dispatch(
       dev, [=] { cpu::attention_backward(args, qa, ka, va, oa, la, ga, dqa, dka, dva); },
       [=](void* s) { cuda::attention_backward(args, qa, ka, va, oa, la, ga, dqa, dka, dva, s); },
-      qc, kc, vc, oc, lc, doc, dq, dk, dv);
+      qc, kc, vc, oc, lc, doc, dq, dk, dv, windows);
   return {cast_if_needed(dq, q.dtype()), cast_if_needed(dk, k.dtype()),
           cast_if_needed(dv, v.dtype())};
 }
@@ -625,3 +686,44 @@ std::pair<Tensor, Tensor> swiglu_backward(const Tensor& a, const Tensor& b, cons
 }
 
 }  // namespace tandem::ops
+
+namespace tandem {
+
+std::shared_ptr<const DocumentBounds> DocumentBounds::make(
+    std::vector<std::vector<int64_t>> cumulative) {
+  TANDEM_CHECK(!cumulative.empty(),
+               "[tensor::DocumentBounds] expected one list of bounds, or one per batch row, got "
+               "none");
+  for (size_t b = 0; b < cumulative.size(); ++b) {
+    const std::vector<int64_t>& cu = cumulative[b];
+    TANDEM_CHECK(cu.size() >= 2 && cu.front() == 0,
+                 "[tensor::DocumentBounds] expected row {}'s bounds to start at 0 and hold at "
+                 "least one document ({{0, ..., total}}), got {}",
+                 b, fmt::join(cu, ", "));
+    for (size_t d = 1; d < cu.size(); ++d) {
+      TANDEM_CHECK(cu[d] >= cu[d - 1],
+                   "[tensor::DocumentBounds] expected row {}'s bounds to never decrease, got {} "
+                   "after {}",
+                   b, cu[d], cu[d - 1]);
+    }
+  }
+  auto bounds = std::make_shared<DocumentBounds>();
+  bounds->cumulative = std::move(cumulative);
+  return bounds;
+}
+
+std::shared_ptr<const DocumentBounds> DocumentBounds::from_lengths(
+    const std::vector<std::vector<int64_t>>& lengths) {
+  std::vector<std::vector<int64_t>> cumulative;
+  for (const std::vector<int64_t>& row : lengths) {
+    std::vector<int64_t> cu{0};
+    for (int64_t n : row) {
+      TANDEM_CHECK(n >= 0, "[tensor::DocumentBounds] expected document lengths >= 0, got {}", n);
+      cu.push_back(cu.back() + n);
+    }
+    cumulative.push_back(std::move(cu));
+  }
+  return make(std::move(cumulative));
+}
+
+}  // namespace tandem

@@ -28,7 +28,17 @@ int64_t offset_argument(const Tensor& t, const char* name) {
   return static_cast<int64_t>(t.item_double());
 }
 
+// The key of DocumentScope's per-call data.
+const char kDocumentsKey = 0;
+
 }  // namespace
+
+DocumentScope::DocumentScope(std::shared_ptr<const DocumentBounds> documents)
+    : scope_(&kDocumentsKey, std::move(documents)) {}
+
+std::shared_ptr<const DocumentBounds> scoped_documents() {
+  return std::static_pointer_cast<const DocumentBounds>(find_call_data(&kDocumentsKey));
+}
 
 CoreAttention::CoreAttention(const AttentionOptions& options)
     : Module("CoreAttention"), options_(options) {}
@@ -43,6 +53,7 @@ std::vector<Tensor> CoreAttention::forward(Args& args) {
   AttentionOptions options = options_;
   if (Tensor* t = args.find("q_offset")) options.q_offset = offset_argument(*t, "q_offset");
   if (Tensor* t = args.find("k_offset")) options.k_offset = offset_argument(*t, "k_offset");
+  if (!options.documents) options.documents = scoped_documents();
   if (kernel_) return {kernel_(q, k, v, options, args)};
   // BSHD → BHSD views; the kernel front end makes them contiguous.
   AttentionResult r = scaled_dot_product_attention(transpose(q, 1, 2), transpose(k, 1, 2),

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 
+#include "tandem/autograd/call_data.h"
 #include "tandem/autograd/module.h"
 #include "tandem/autograd/nn/linear.h"
 #include "tandem/tensor/ops.h"
@@ -30,6 +31,12 @@ namespace tandem::nn {
 // per module, e.g. a rank's static shard) and may be overridden per call by
 // named arguments "q_offset" / "k_offset": one-element integer tensors, read
 // on the host (keep them on the CPU to avoid a device synchronisation).
+//
+// Packed sequences (Note [Packed sequences] in tensor/ops.h): the document
+// bounds come from options().documents, else from the DocumentScope in scope
+// on the calling thread, so that a step declares them once for every
+// attention of the model (and context parallelism hands them to each of its
+// kernels with that rank's positions).
 class CoreAttention final : public Module {
  public:
   // Replaces the attention computation itself (BSHD in, BSHD out); context
@@ -55,6 +62,21 @@ class CoreAttention final : public Module {
   AttentionOptions options_;
   Kernel kernel_;
 };
+
+// The document bounds of the packed sequences that the forwards run on this
+// thread attend to while it lives, in global positions of the whole
+// (unsharded) sequence; checkpoint re-runs see them too (Note [Per-call
+// data]). Null bounds: one document.
+class DocumentScope {
+ public:
+  explicit DocumentScope(std::shared_ptr<const DocumentBounds> documents);
+
+ private:
+  CallDataScope scope_;
+};
+
+// The bounds a DocumentScope declares on this thread; null when none.
+std::shared_ptr<const DocumentBounds> scoped_documents();
 
 struct SelfAttentionOptions {
   int64_t d_model = 0;

@@ -204,10 +204,23 @@ struct Geometry {
   int64_t B, Hq, Hkv, G, Sq, Sk, D, Dp, Skp;
   bool causal;
   int64_t q_offset, k_offset;
-  // Keys visible to query row i: [0, visible(i)).
-  int64_t visible(int64_t i) const {
+  const int32_t* windows;  // packed sequences (AttentionArgs), or null
+  int64_t window_rows;
+  // Keys visible to query row i of batch b: [begin(b, i), end(b, i)); both
+  // non-decreasing in i.
+  int64_t begin(int64_t b, int64_t i) const { return windows ? windows[window(b, i)] : 0; }
+  int64_t end(int64_t b, int64_t i) const {
+    if (windows) return windows[window(b, i) + 1];
     if (!causal) return Sk;
     return std::clamp<int64_t>(q_offset + i - k_offset + 1, 0, Sk);
+  }
+  int64_t window(int64_t b, int64_t i) const { return ((window_rows == 1 ? 0 : b) * Sq + i) * 2; }
+  // Where the scores of a tile whose first row is i start: begin rounded down
+  // to a multiple of the SIMD width and of kTile, so that every key tile of
+  // accumulate_dkv that a row sees lies in columns its tile computed.
+  int64_t tile_begin(int64_t b, int64_t i) const {
+    constexpr int64_t kAlign = std::max<int64_t>(kTile, kWidth<float>);  // >= kWidth<double>
+    return begin(b, i) / kAlign * kAlign;
   }
 };
 
@@ -226,6 +239,8 @@ Geometry geometry_of(const AttentionArgs& a) {
   g.causal = a.causal;
   g.q_offset = a.q_offset;
   g.k_offset = a.k_offset;
+  g.windows = a.windows;
+  g.window_rows = a.window_rows;
   return g;
 }
 
@@ -303,31 +318,37 @@ void attention_forward(const AttentionArgs& args, const TensorArg& q, const Tens
       float* lse_row = lse_p + (b * g.Hq + h) * g.Sq + i0;
       for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
         const int64_t tr = std::min(kTile, rows - r0);
-        const int64_t tile_end = g.visible(i0 + r0 + tr - 1);
+        // The tile's scores: columns [c0, tile_pad), every key a row sees.
+        const int64_t c0 = g.tile_begin(b, i0 + r0);
+        const int64_t tile_end = g.end(b, i0 + r0 + tr - 1);
         const int64_t tile_pad = round_up(tile_end, kWidth<T>);
         T* st = s + r0 * g.Skp;
-        if (tile_end > 0)
-          gemm_small(tr, tile_pad, g.D, qb + r0 * lq.s, lq.s, 1, kt, g.Skp, st, g.Skp, false);
+        if (tile_end > c0) {
+          gemm_small(tr, tile_pad - c0, g.D, qb + r0 * lq.s, lq.s, 1, kt + c0, g.Skp, st + c0,
+                     g.Skp, false);
+        }
         for (int64_t r = 0; r < tr; ++r) {
           T* row = st + r * g.Skp;
-          const int64_t n = g.visible(i0 + r0 + r);
-          if (n == 0) {
-            std::fill(row, row + tile_pad, T(0));
+          const int64_t lo = g.begin(b, i0 + r0 + r), n = g.end(b, i0 + r0 + r);
+          if (n <= lo) {
+            std::fill(row + c0, row + std::max(c0, tile_pad), T(0));
             lse_row[r0 + r] = -std::numeric_limits<float>::infinity();
             continue;
           }
+          std::fill(row + c0, row + lo, T(0));
           // max_j (scale * S_ij), for a scale of either sign.
           const T sign = scale < T(0) ? T(-1) : T(1);
-          const T m = row_max(row, n, sign) * sign * scale;
-          exp_row(row, n, tile_pad, scale, m);
-          const T sum = row_sum(row, n);
+          const T m = row_max(row + lo, n - lo, sign) * sign * scale;
+          exp_row(row + lo, n - lo, tile_pad - lo, scale, m);
+          const T sum = row_sum(row + lo, n - lo);
           const T inv = T(1) / sum;
-          for (int64_t j = 0; j < n; ++j)
+          for (int64_t j = lo; j < n; ++j)
             row[j] *= inv;
           lse_row[r0 + r] = static_cast<float>(m + std::log(sum));
         }
-        if (tile_end > 0) {
-          gemm_small(tr, g.Dp, tile_end, st, g.Skp, 1, vb, g.Dp, ob, g.Dp, false);
+        if (tile_end > c0) {
+          gemm_small(tr, g.Dp, tile_end - c0, st + c0, g.Skp, 1, vb + c0 * g.Dp, g.Dp, ob, g.Dp,
+                     false);
         } else {
           std::fill(ob, ob + tr * g.Dp, T(0));
         }
@@ -379,6 +400,7 @@ BackwardScratch<T> reserve_backward_scratch(const Geometry& g) {
 // strides, and its lse row.
 template <class T>
 struct QueryHead {
+  int64_t b;  // its batch row
   const T* q;
   const T* o;
   const T* dout;
@@ -387,27 +409,29 @@ struct QueryHead {
   int64_t q_s, o_s, do_s, dq_s;
 };
 
-// Query row i: prow holds its scores S and dsrow its dP on entry; on return
-// prow = P = exp(scale * S - lse) and dsrow = dS = P * (dP - delta) * scale,
-// both zero past the row's visible keys up to kv_pad.
+// Query row i: prow holds its scores S and dsrow its dP on entry from column
+// c0; on return prow = P = exp(scale * S - lse) and dsrow = dS = P * (dP -
+// delta) * scale, both zero outside the row's visible keys in [c0, kv_pad).
 template <class T>
-void backprop_softmax_row(const Geometry& g, T scale, const QueryHead<T>& h, int64_t i,
+void backprop_softmax_row(const Geometry& g, T scale, const QueryHead<T>& h, int64_t i, int64_t c0,
                           int64_t kv_pad, T* prow, T* dsrow) {
-  const int64_t n = g.visible(i);
+  const int64_t lo = g.begin(h.b, i), n = g.end(h.b, i);
   const float l = h.lse[i];
-  if (n == 0 || !std::isfinite(l)) {  // no visible key: P = 0
-    std::fill(prow, prow + kv_pad, T(0));
-    std::fill(dsrow, dsrow + kv_pad, T(0));
+  if (n <= lo || !std::isfinite(l)) {  // no visible key: P = 0
+    std::fill(prow + c0, prow + kv_pad, T(0));
+    std::fill(dsrow + c0, dsrow + kv_pad, T(0));
     return;
   }
-  exp_row(prow, n, kv_pad, scale, static_cast<T>(l));
+  std::fill(prow + c0, prow + lo, T(0));
+  std::fill(dsrow + c0, dsrow + lo, T(0));
+  exp_row(prow + lo, n - lo, kv_pad - lo, scale, static_cast<T>(l));
   // delta = rowsum(dO * O) = rowsum(P * dP) for this row's output.
   const T* orow = h.o + i * h.o_s;
   const T* dorow = h.dout + i * h.do_s;
   T delta = 0;
   for (int64_t d = 0; d < g.D; ++d)
     delta += dorow[d] * orow[d];
-  for (int64_t j = 0; j < n; ++j)
+  for (int64_t j = lo; j < n; ++j)
     dsrow[j] = prow[j] * (dsrow[j] - delta) * scale;
   std::fill(dsrow + n, dsrow + kv_pad, T(0));
 }
@@ -417,20 +441,24 @@ void backprop_softmax_row(const Geometry& g, T scale, const QueryHead<T>& h, int
 template <class T>
 void backprop_tile(const Geometry& g, T scale, const QueryHead<T>& h, const BackwardScratch<T>& s,
                    int64_t i0, int64_t r0, int64_t tr, int64_t kv_pad) {
-  const int64_t tile_end = g.visible(i0 + r0 + tr - 1);
+  const int64_t c0 = g.tile_begin(h.b, i0 + r0);
+  const int64_t tile_end = g.end(h.b, i0 + r0 + tr - 1);
   const int64_t tile_pad = round_up(tile_end, kWidth<T>);
   T* pt = s.p + r0 * g.Skp;
   T* dst = s.ds + r0 * g.Skp;
-  if (tile_end > 0) {
+  if (tile_end > c0) {
     // S = Q K^T, dP = dO V^T for the tile's visible keys.
-    gemm_small(tr, tile_pad, g.D, s.qblk + r0 * g.Dp, g.Dp, 1, s.kt, g.Skp, pt, g.Skp, false);
-    gemm_small(tr, tile_pad, g.D, s.doblk + r0 * g.Dp, g.Dp, 1, s.vt, g.Skp, dst, g.Skp, false);
+    gemm_small(tr, tile_pad - c0, g.D, s.qblk + r0 * g.Dp, g.Dp, 1, s.kt + c0, g.Skp, pt + c0,
+               g.Skp, false);
+    gemm_small(tr, tile_pad - c0, g.D, s.doblk + r0 * g.Dp, g.Dp, 1, s.vt + c0, g.Skp, dst + c0,
+               g.Skp, false);
   }
   for (int64_t r = 0; r < tr; ++r)
-    backprop_softmax_row(g, scale, h, i0 + r0 + r, kv_pad, pt + r * g.Skp, dst + r * g.Skp);
+    backprop_softmax_row(g, scale, h, i0 + r0 + r, c0, kv_pad, pt + r * g.Skp, dst + r * g.Skp);
   // dQ = dS K for the tile.
-  if (tile_end > 0) {
-    gemm_small(tr, g.Dp, tile_end, dst, g.Skp, 1, s.kr, g.Dp, s.dqt, g.Dp, false);
+  if (tile_end > c0) {
+    gemm_small(tr, g.Dp, tile_end - c0, dst + c0, g.Skp, 1, s.kr + c0 * g.Dp, g.Dp, s.dqt, g.Dp,
+               false);
   } else {
     std::fill(s.dqt, s.dqt + tr * g.Dp, T(0));
   }
@@ -440,15 +468,21 @@ void backprop_tile(const Geometry& g, T scale, const QueryHead<T>& h, const Back
 }
 
 // dV += P^T dO and dK += dS^T Q over the block's rows (`rows` from i0); a tile
-// of keys only needs the rows that can see its first key.
+// of keys only needs the rows that can see one of its keys: from the first
+// whose window ends after its first key to the last whose window begins
+// before its end.
 template <class T>
-void accumulate_dkv(const Geometry& g, const BackwardScratch<T>& s, int64_t i0, int64_t rows,
-                    int64_t kv_pad) {
-  for (int64_t j0 = 0; j0 < kv_pad; j0 += kTile) {
+void accumulate_dkv(const Geometry& g, const BackwardScratch<T>& s, int64_t b, int64_t i0,
+                    int64_t rows, int64_t kv_pad) {
+  int64_t r_start = 0, r_stop = 0;
+  for (int64_t j0 = g.tile_begin(b, i0); j0 < kv_pad; j0 += kTile) {
     const int64_t tj = std::min(kTile, kv_pad - j0);
-    const int64_t r_start =
-        g.causal ? std::clamp<int64_t>(j0 + g.k_offset - g.q_offset - i0, 0, rows) : 0;
-    const int64_t kk = rows - r_start;
+    while (r_start < rows && g.end(b, i0 + r_start) <= j0)
+      ++r_start;
+    r_stop = std::max(r_stop, r_start);
+    while (r_stop < rows && g.begin(b, i0 + r_stop) < j0 + tj)
+      ++r_stop;
+    const int64_t kk = r_stop - r_start;
     if (kk == 0) continue;
     gemm_small(tj, g.Dp, kk, s.p + r_start * g.Skp + j0, 1, g.Skp, s.doblk + r_start * g.Dp, g.Dp,
                s.dva + j0 * g.Dp, g.Dp, true);
@@ -463,8 +497,11 @@ template <class T>
 void backprop_block(const Geometry& g, T scale, const QueryHead<T>& h, const BackwardScratch<T>& s,
                     int64_t i0) {
   const int64_t rows = std::min(kBlockQ, g.Sq - i0);
-  const int64_t kv_end = g.visible(i0 + rows - 1);
-  if (kv_end == 0) {  // no row of the block sees a key
+  const int64_t kv_end = g.end(h.b, i0 + rows - 1);
+  bool sees = false;
+  for (int64_t r = 0; r < rows && !sees; ++r)
+    sees = g.end(h.b, i0 + r) > g.begin(h.b, i0 + r);
+  if (!sees) {  // no row of the block sees a key
     for (int64_t r = 0; r < rows; ++r)
       std::fill(h.dq + (i0 + r) * h.dq_s, h.dq + (i0 + r) * h.dq_s + g.D, T(0));
     return;
@@ -474,7 +511,7 @@ void backprop_block(const Geometry& g, T scale, const QueryHead<T>& h, const Bac
   pack_rows(h.dout + i0 * h.do_s, h.do_s, rows, g, s.doblk);
   for (int64_t r0 = 0; r0 < rows; r0 += kTile)
     backprop_tile(g, scale, h, s, i0, r0, std::min(kTile, rows - r0), kv_pad);
-  accumulate_dkv(g, s, i0, rows, kv_pad);
+  accumulate_dkv(g, s, h.b, i0, rows, kv_pad);
 }
 
 template <class T>
@@ -509,7 +546,8 @@ void attention_backward(const AttentionArgs& args, const TensorArg& q, const Ten
       std::fill(s.dka, s.dka + g.Skp * g.Dp, T(0));
       std::fill(s.dva, s.dva + g.Skp * g.Dp, T(0));
       for (int64_t h = hkv * g.G; h < (hkv + 1) * g.G; ++h) {
-        const QueryHead<T> head{.q = qp + b * lq.b + h * lq.h,
+        const QueryHead<T> head{.b = b,
+                                .q = qp + b * lq.b + h * lq.h,
                                 .o = op + b * lo.b + h * lo.h,
                                 .dout = dop + b * ldo.b + h * ldo.h,
                                 .dq = dqp + b * ldq.b + h * ldq.h,

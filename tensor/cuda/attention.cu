@@ -60,24 +60,64 @@ struct Geometry {
   double scale;
   bool causal;
   int64_t q_offset, k_offset;
-  // Keys visible to query row i: [0, visible(i)); non-decreasing in i.
-  __device__ int64_t visible(int64_t i) const {
+  const int32_t* windows;  // packed sequences (AttentionArgs), or null
+  int64_t window_rows;
+  // Keys visible to query row i of batch b: [begin(b, i), end(b, i)); both
+  // non-decreasing in i.
+  __device__ int64_t begin(int64_t b, int64_t i) const {
+    return windows ? windows[window(b, i)] : 0;
+  }
+  __device__ int64_t end(int64_t b, int64_t i) const {
+    if (windows) return windows[window(b, i) + 1];
     if (!causal) return Sk;
     const int64_t n = q_offset + i - k_offset + 1;
     return n < 0 ? 0 : (n > Sk ? Sk : n);
   }
-  // Query rows that see key j: [first_query(j), Sq); non-decreasing in j.
-  __device__ int64_t first_query(int64_t j) const {
-    if (!causal) return 0;
-    const int64_t i = j + k_offset - q_offset;
-    return i < 0 ? 0 : (i > Sq ? Sq : i);
+  __device__ int64_t window(int64_t b, int64_t i) const {
+    return ((window_rows == 1 ? 0 : b) * Sq + i) * 2;
+  }
+  __device__ bool sees(int64_t b, int64_t i, int64_t j) const {
+    return j >= begin(b, i) && j < end(b, i);
+  }
+  // Query rows that may see a key of [j0, j1): [first_query, last_query);
+  // rows outside see none of them (binary searches over the monotone bounds).
+  __device__ int64_t first_query(int64_t b, int64_t j0) const {
+    if (!windows) {
+      if (!causal) return 0;
+      const int64_t i = j0 + k_offset - q_offset;
+      return i < 0 ? 0 : (i > Sq ? Sq : i);
+    }
+    int64_t lo = 0, hi = Sq;  // the first row whose window ends after j0
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (end(b, mid) > j0) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    return lo;
+  }
+  __device__ int64_t last_query(int64_t b, int64_t j1) const {
+    if (!windows) return Sq;
+    int64_t lo = 0, hi = Sq;  // the first row whose window begins at j1 or later
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (begin(b, mid) >= j1) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    return lo;
   }
 };
 
 Geometry geometry_of(const AttentionArgs& a) {
-  return {a.batch,  a.heads_q,  a.heads_kv, a.heads_q / a.heads_kv,
-          a.seq_q,  a.seq_k,    a.dim,      a.scale,
-          a.causal, a.q_offset, a.k_offset};
+  return {a.batch,      a.heads_q,  a.heads_kv, a.heads_q / a.heads_kv,
+          a.seq_q,      a.seq_k,    a.dim,      a.scale,
+          a.causal,     a.q_offset, a.k_offset, a.windows,
+          a.window_rows};
 }
 
 // Br query rows and Bc key rows per tile. The shared-memory footprint of each
@@ -159,8 +199,9 @@ __global__ void attention_forward_kernel(Geometry g, Tiles t, const V* q, Stride
       s_m[r] = -INFINITY;
       s_l[r] = V(0);
     }
-    const int64_t n = g.visible(i0 + rows - 1);  // the most keys any row of the tile sees
-    for (int64_t j0 = 0; j0 < n; j0 += Bc) {
+    // The keys any row of the tile sees: from the first row's begin to the last row's end.
+    const int64_t n = g.end(b, i0 + rows - 1);
+    for (int64_t j0 = g.begin(b, i0); j0 < n; j0 += Bc) {
       const int64_t cols = min64(Bc, n - j0);
       __syncthreads();  // the previous step's reads of s_kv and s_p are done
       load_rows(s_kv, ld, kh + j0 * sk.s, sk.s, cols, D);
@@ -168,7 +209,7 @@ __global__ void attention_forward_kernel(Geometry g, Tiles t, const V* q, Stride
       for (int64_t e = threadIdx.x; e < Br * Bc; e += blockDim.x) {
         const int64_t r = e / Bc, c = e % Bc;
         V s = -INFINITY;
-        if (r < rows && c < cols && j0 + c < g.visible(i0 + r)) {
+        if (r < rows && c < cols && g.sees(b, i0 + r, j0 + c)) {
           s = scale * dot(s_q + r * ld, s_kv + c * ld, D);
         }
         s_p[r * lds + c] = s;
@@ -283,13 +324,14 @@ __global__ void attention_dkv_kernel(Geometry g, Tiles t, const V* q, Strides3 s
     load_rows(s_v, ld, v + b * sv.b + hk * sv.h + j0 * sv.s, sv.s, cols, D);
     zero_rows(s_dk, ld, cols, D);
     zero_rows(s_dv, ld, cols, D);
-    const int64_t i_begin = g.first_query(j0);  // no earlier row sees any key of the tile
+    // No row outside [i_begin, i_end) sees any key of the tile.
+    const int64_t i_begin = g.first_query(b, j0), i_end = g.last_query(b, j0 + cols);
     for (int64_t h = hk * g.G; h < (hk + 1) * g.G; ++h) {
       const V* qh = q + b * sq.b + h * sq.h;
       const V* doh = dout + b * sdo.b + h * sdo.h;
       const int64_t row_h = (b * g.Hq + h) * g.Sq;
-      for (int64_t i0 = i_begin; i0 < g.Sq; i0 += Br) {
-        const int64_t rows = min64(Br, g.Sq - i0);
+      for (int64_t i0 = i_begin; i0 < i_end; i0 += Br) {
+        const int64_t rows = min64(Br, i_end - i0);
         __syncthreads();  // the previous step's reads of s_q, s_do, s_p, s_ds are done
         load_rows(s_q, ld, qh + i0 * sq.s, sq.s, rows, D);
         load_rows(s_do, ld, doh + i0 * sdo.s, sdo.s, rows, D);
@@ -301,7 +343,7 @@ __global__ void attention_dkv_kernel(Geometry g, Tiles t, const V* q, Strides3 s
         for (int64_t e = threadIdx.x; e < Br * Bc; e += blockDim.x) {
           const int64_t r = e / Bc, c = e % Bc;
           PairGrad<V> pg{V(0), V(0)};
-          if (r < rows && c < cols && j0 + c < g.visible(i0 + r) && !isinf(s_lse[r])) {
+          if (r < rows && c < cols && g.sees(b, i0 + r, j0 + c) && !isinf(s_lse[r])) {
             pg = pair_grad(s_q + r * ld, s_k + c * ld, s_do + r * ld, s_v + c * ld, D, scale,
                            static_cast<float>(s_lse[r]), s_delta[r]);
           }
@@ -365,8 +407,8 @@ __global__ void attention_dq_kernel(Geometry g, Tiles t, const V* q, Strides3 sq
       s_lse[r] = lse[row_h + i0 + r];
       s_delta[r] = delta[row_h + i0 + r];
     }
-    const int64_t n = g.visible(i0 + rows - 1);
-    for (int64_t j0 = 0; j0 < n; j0 += Bc) {
+    const int64_t n = g.end(b, i0 + rows - 1);
+    for (int64_t j0 = g.begin(b, i0); j0 < n; j0 += Bc) {
       const int64_t cols = min64(Bc, n - j0);
       __syncthreads();  // the previous step's reads of s_k and s_ds are done
       load_rows(s_k, ld, kh + j0 * sk.s, sk.s, cols, D);
@@ -375,7 +417,7 @@ __global__ void attention_dq_kernel(Geometry g, Tiles t, const V* q, Strides3 sq
       for (int64_t e = threadIdx.x; e < Br * Bc; e += blockDim.x) {
         const int64_t r = e / Bc, c = e % Bc;
         V ds = V(0);
-        if (r < rows && c < cols && j0 + c < g.visible(i0 + r) && !isinf(s_lse[r])) {
+        if (r < rows && c < cols && g.sees(b, i0 + r, j0 + c) && !isinf(s_lse[r])) {
           ds = pair_grad(s_q + r * ld, s_k + c * ld, s_do + r * ld, s_v + c * ld, D, scale,
                          static_cast<float>(s_lse[r]), s_delta[r])
                    .ds;

@@ -34,8 +34,10 @@ std::string describe(const Case& c) {
                      c.causal, c.load_balance, c.seq, c.heads, c.kv_heads);
 }
 
-void check_case(const Case& c) {
-  INFO(describe(c));
+// `documents`: packed sequences (Note [Packed sequences]), declared with a
+// DocumentScope on the reference and on every rank.
+void check_case(const Case& c, std::shared_ptr<const DocumentBounds> documents = nullptr) {
+  INFO(describe(c) << (documents ? " packed" : ""));
   const int64_t B = 2, D = 8;
   Generator gen(42);
   Tensor q = ops::randn({B, c.seq, c.heads, D}, gen);
@@ -50,7 +52,11 @@ void check_case(const Case& c) {
   Tensor qr = ops::clone(q), kr = ops::clone(k), vr = ops::clone(v);
   for (Tensor* t : {&qr, &kr, &vr})
     set_requires_grad(*t);
-  Tensor out_ref = ref->call(Args{qr, kr, vr})[0];
+  Tensor out_ref;
+  {
+    nn::DocumentScope scope(documents);
+    out_ref = ref->call(Args{qr, kr, vr})[0];
+  }
   backward(sum(mul(out_ref, w)));
 
   std::vector<std::string> errors(static_cast<size_t>(c.cp));
@@ -68,6 +74,7 @@ void check_case(const Case& c) {
            vl = test::on_test_device(shard(v));
     for (Tensor* t : {&ql, &kl, &vl})
       set_requires_grad(*t);
+    nn::DocumentScope scope(documents);
     Tensor out = core->call(Args{ql, kl, vl})[0];
     backward(sum(mul(out, test::on_test_device(shard(w)))));
     std::string e;
@@ -160,6 +167,52 @@ TEST_CASE("context parallel with grouped-query heads and uneven lengths", "[cp]"
   for (const Case& c : cases) {
     SECTION(describe(c)) {
       check_case(c);
+    }
+  }
+}
+
+namespace {
+
+// Packed documents over `seq` positions for two batch rows: row 0 has
+// documents of 5, 0 (empty) and 8 tokens, then the rest; row 1 one token,
+// then documents of 3. Boundaries fall inside rank shards, on their edges and
+// across the load balance's head and tail chunks.
+std::shared_ptr<const DocumentBounds> packed_documents(int64_t seq) {
+  const std::vector<int64_t> head{5, 0, 8};
+  std::vector<std::vector<int64_t>> rows(2);
+  for (size_t r = 0; r < 2; ++r) {
+    int64_t left = seq;
+    for (size_t i = 0; left > 0; ++i) {
+      const int64_t want = r == 0 ? (i < head.size() ? head[i] : left) : (i == 0 ? 1 : 3);
+      rows[r].push_back(std::min(want, left));
+      left -= rows[r].back();
+    }
+  }
+  return DocumentBounds::from_lengths(rows);
+}
+
+}  // namespace
+
+TEST_CASE("context parallel with packed sequences equals single-rank packed attention",
+          "[cp][packed]") {
+  std::vector<Case> cases;
+  for (bool causal : {false, true}) {
+    cases.push_back({"ulysses", 4, 4, false, false, causal, 16, 4, 4});
+    cases.push_back({"allgather", 4, 1, false, false, causal, 16, 4, 2});
+    cases.push_back({"ring", 4, 1, true, false, causal, 16, 4, 2});
+    cases.push_back({"hybrid", 4, 2, false, false, causal, 16, 4, 2});
+  }
+  cases.push_back({"allgather-lb", 4, 1, false, true, true, 16, 4, 4});
+  cases.push_back({"ring-lb", 2, 1, true, true, true, 16, 4, 2});
+  cases.push_back({"ulysses-gqa", 4, 4, false, false, true, 16, 8, 2});
+  cases.push_back({"ring-lb-uneven", 4, 1, true, true, true, 19, 4, 2});
+  cases.push_back({"hybrid-uneven", 4, 2, false, false, true, 14, 4, 4});
+  // Ranks with no tokens: 3 tokens on 4 ranks, 6 on the 8 load-balanced chunks.
+  cases.push_back({"allgather-empty-ranks", 4, 1, false, false, true, 3, 4, 2});
+  cases.push_back({"ring-lb-empty-chunks", 4, 1, true, true, true, 6, 4, 2});
+  for (const Case& c : cases) {
+    SECTION(describe(c)) {
+      check_case(c, packed_documents(c.seq));
     }
   }
 }
@@ -305,12 +358,16 @@ TEST_CASE("async context parallel equals the sync variant and single-rank attent
     bool load_balance;
     int64_t seq;
     int64_t kv_heads;
+    bool packed = false;  // packed documents (Note [Packed sequences])
   };
-  for (AsyncCase c : {AsyncCase{2, 2, false, 16, 4}, AsyncCase{4, 4, false, 16, 2},
-                      AsyncCase{4, 4, false, 13, 4}, AsyncCase{2, 1, false, 16, 2},
-                      AsyncCase{4, 1, true, 16, 4}, AsyncCase{4, 1, false, 11, 2}}) {
+  for (AsyncCase c :
+       {AsyncCase{2, 2, false, 16, 4}, AsyncCase{4, 4, false, 16, 2}, AsyncCase{4, 4, false, 13, 4},
+        AsyncCase{2, 1, false, 16, 2}, AsyncCase{4, 1, true, 16, 4}, AsyncCase{4, 1, false, 11, 2},
+        AsyncCase{4, 4, false, 16, 2, true}, AsyncCase{4, 1, true, 13, 2, true}}) {
     INFO("cp=" << c.cp << " ds=" << c.ds << " lb=" << c.load_balance << " S=" << c.seq
-               << " Hkv=" << c.kv_heads);
+               << " Hkv=" << c.kv_heads << " packed=" << c.packed);
+    const std::shared_ptr<const DocumentBounds> documents =
+        c.packed ? packed_documents(c.seq) : nullptr;
     const int64_t B = 2, d = 32, H = 4;
     Generator gen(9);
     Tensor x = ops::randn({B, c.seq, d}, gen);
@@ -320,7 +377,11 @@ TEST_CASE("async context parallel equals the sync variant and single-rank attent
         {.d_model = d, .n_heads = H, .n_kv_heads = c.kv_heads, .causal = true}, init);
     Tensor xr = ops::clone(x);
     set_requires_grad(xr);
-    Tensor out_ref = (*ref)(xr);
+    Tensor out_ref;
+    {
+      nn::DocumentScope scope(documents);
+      out_ref = (*ref)(xr);
+    }
     backward(sum(mul(out_ref, w)));
     auto ref_params = ref->named_parameters();
 
@@ -348,6 +409,7 @@ TEST_CASE("async context parallel equals the sync variant and single-rank attent
         }
         Tensor xl = test::on_test_device(shard_sequence(x, 1, c.cp, r, c.load_balance));
         set_requires_grad(xl);
+        nn::DocumentScope scope(documents);
         Tensor out = (*attn)(xl);
         backward(
             sum(mul(out, test::on_test_device(shard_sequence(w, 1, c.cp, r, c.load_balance)))));
