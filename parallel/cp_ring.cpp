@@ -2,8 +2,8 @@
 // neighbours by send/recv while each rank attends to the block it holds; the
 // partial results merge by log-sum-exp, the next block's transfer overlaps
 // the current block's compute, and in backward dK/dV circulate with their
-// blocks and go home at the end. The kernel that ContextParallel installs
-// (context_parallel.cpp) calls ring_attention() (cp_internal.h).
+// blocks and go home at the end (Note [Ring backward in flight]). The kernel that ContextParallel
+// installs (context_parallel.cpp) calls ring_attention() (cp_internal.h).
 #include <algorithm>
 #include <limits>
 
@@ -77,15 +77,16 @@ struct RingAttention final : Function {
     s[2] = len - t.shape()[2];
     return ops::cat({t, ops::zeros(s, t.dtype(), t.device())}, 2);
   }
-  // Launches the exchange of `tensors` with the ring neighbours.
-  WorkPtr exchange(const std::vector<Tensor>& tensors) const {
+  // Launches the exchange of `tensors` with the ring neighbours: sent to the
+  // next rank, received from the previous one.
+  WorkPtr exchange(const std::vector<Tensor>& tensors, const char* tag) const {
     const int n = group->size(), me = group->rank();
     std::vector<P2POp> ops_list;
     for (const Tensor& t : tensors)
       ops_list.push_back(P2POp::send(t, (me + 1) % n));
     for (const Tensor& t : tensors)
       ops_list.push_back(P2POp::recv(t, (me + n - 1) % n));
-    return group->batch_isend_irecv(ops_list, "ring");
+    return group->batch_isend_irecv(ops_list, tag);
   }
 
   std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
@@ -103,7 +104,8 @@ struct RingAttention final : Function {
     Tensor cur_k = pad(k, max_len), cur_v = pad(v, max_len);
     for (int s = 0; s < n; ++s) {
       const int src = (me - s + n) % n;
-      WorkPtr next = s + 1 < n ? exchange({cur_k, cur_v}) : nullptr;  // overlaps the compute
+      WorkPtr next =
+          s + 1 < n ? exchange({cur_k, cur_v}, "ring kv") : nullptr;  // overlaps the compute
       std::vector<SeqPiece> kp = pieces(src);
       std::vector<int64_t> ko = local_offsets(kp);
       for (size_t i = 0; i < qp.size(); ++i) {
@@ -131,6 +133,19 @@ struct RingAttention final : Function {
     return {ops::contiguous(ops::transpose(saved_out, 1, 2))};
   }
 
+  // Note [Ring backward in flight]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // Each step of the backward holds one K/V block and the dK/dV accumulators
+  // of that block, which travel with it. Two transfers are in flight while a
+  // step computes its block's gradients: the K/V block of the next step
+  // (launched before the compute, as in forward) and the accumulators of the
+  // block this step holds, sent by the previous rank at the end of its step.
+  // The step waits for the accumulators only once its own gradients exist,
+  // then adds them in the order a step with the accumulators at hand would
+  // (accumulator + each pair's gradient, pairs in order), so the bits do not
+  // depend on when the transfer arrived; the sum then leaves for the next
+  // rank and travels during the next step's compute. After the last step the
+  // accumulators go home (to the next rank, their owner).
   std::vector<Tensor> backward(FunctionCtx&, const std::vector<Tensor>& g) override {
     const int n = group->size(), me = group->rank();
     Tensor dout = bhsd(g[0]);
@@ -139,12 +154,18 @@ struct RingAttention final : Function {
     std::vector<int64_t> qo = local_offsets(qp);
     Tensor dq = ops::zeros(saved_q.shape(), DType::F32, saved_q.device());
     Tensor cur_k = pad(saved_k, max_len), cur_v = pad(saved_v, max_len);
-    Tensor dk = ops::zeros(cur_k.shape(), DType::F32, cur_k.device()),
-           dv = ops::zeros(cur_v.shape(), DType::F32, cur_v.device());
+    Tensor dk, dv;     // the accumulators of the block this step holds
+    WorkPtr arriving;  // they are on their way from the previous rank
     for (int s = 0; s < n; ++s) {
       const int src = (me - s + n) % n;
+      WorkPtr next_kv = s + 1 < n ? exchange({cur_k, cur_v}, "ring kv") : nullptr;
       std::vector<SeqPiece> kp = pieces(src);
       std::vector<int64_t> ko = local_offsets(kp);
+      struct PairGrads {
+        size_t j;
+        Tensor dk, dv;
+      };
+      std::vector<PairGrads> pairs;
       for (size_t i = 0; i < qp.size(); ++i) {
         for (size_t j = 0; j < kp.size(); ++j) {
           if (!visible(qp[i], kp[j])) continue;
@@ -157,26 +178,33 @@ struct RingAttention final : Function {
               ops::narrow(dout, 2, qo[i], qp[i].length), piece_options(qp[i], kp[j]));
           ops::copy_(ops::narrow(dq, 2, qo[i], qp[i].length),
                      ops::add(ops::narrow(dq, 2, qo[i], qp[i].length), grads[0]));
-          Tensor dk_j = ops::narrow(dk, 2, ko[j], kp[j].length);
-          Tensor dv_j = ops::narrow(dv, 2, ko[j], kp[j].length);
-          ops::copy_(dk_j, ops::add(dk_j, grads[1]));
-          ops::copy_(dv_j, ops::add(dv_j, grads[2]));
+          pairs.push_back({j, grads[1], grads[2]});
         }
       }
-      // The block and its gradient accumulators move on together; after the
-      // last step the accumulators go home (to the next rank, their owner).
-      WorkPtr w = s + 1 < n ? exchange({cur_k, cur_v, dk, dv}) : exchange({dk, dv});
-      w->wait();
-      if (s + 1 < n) {
-        cur_k = w->results()[0];
-        cur_v = w->results()[1];
-        dk = w->results()[2];
-        dv = w->results()[3];
+      if (arriving) {
+        arriving->wait();
+        dk = arriving->results()[0];
+        dv = arriving->results()[1];
       } else {
-        dk = w->results()[0];
-        dv = w->results()[1];
+        dk = ops::zeros(cur_k.shape(), DType::F32, cur_k.device());
+        dv = ops::zeros(cur_v.shape(), DType::F32, cur_v.device());
+      }
+      for (const PairGrads& p : pairs) {
+        Tensor dk_j = ops::narrow(dk, 2, ko[p.j], kp[p.j].length);
+        Tensor dv_j = ops::narrow(dv, 2, ko[p.j], kp[p.j].length);
+        ops::copy_(dk_j, ops::add(dk_j, p.dk));
+        ops::copy_(dv_j, ops::add(dv_j, p.dv));
+      }
+      arriving = exchange({dk, dv}, "ring grad");
+      if (next_kv) {
+        next_kv->wait();
+        cur_k = next_kv->results()[0];
+        cur_v = next_kv->results()[1];
       }
     }
+    arriving->wait();
+    dk = arriving->results()[0];
+    dv = arriving->results()[1];
     const int64_t mine = lengths[me];
     auto back = [&](const Tensor& t, const Tensor& like) {
       return ops::contiguous(
