@@ -146,6 +146,31 @@ TEST_CASE("every parallel layout trains", "[train]") {
   }
 }
 
+TEST_CASE("async context parallelism trains bit-identically to the sync collectives", "[train]") {
+  // --cp-async auto picks AsyncContextParallel where the mode has an async
+  // variant, under the dual-pipe schedule as well, and the layout says so.
+  for (const char* mode : {"ulysses", "allgather"}) {
+    INFO(mode);
+    TrainOptions o = tiny();
+    o.cp_mode = mode;
+    o.load_balance = std::string(mode) == "allgather";
+    o.steps = 3;
+    const TrainResult async = run_training(o);
+    CHECK_THAT(async.layout, Catch::Contains(", async)"));
+    o.cp_async = "off";
+    const TrainResult sync = run_training(o);
+    CHECK_THAT(sync.layout, !Catch::Contains("async"));
+    CHECK(losses(async) == losses(sync));
+  }
+  TrainOptions o = tiny();
+  o.cp_mode = "ring";
+  CHECK_THAT(run_training(o).layout, Catch::Contains("(ring)"));  // auto: no async ring
+  o.cp_async = "on";
+  CHECK_THROWS_WITH(run_training(o), Catch::Contains("--cp-async on expects --cp-mode ulysses or "
+                                                     "allgather") &&
+                                         Catch::Contains("'ring'"));
+}
+
 TEST_CASE("resume from a checkpoint is bit-exact", "[train][checkpoint]") {
   TempDir dir("train");
   TrainOptions o = tiny();
@@ -278,6 +303,10 @@ TEST_CASE("the command line parses and rejects bad flags", "[train]") {
   CHECK(e.export_from == "ckpt");
   CHECK(e.export_to == "out.safetensors");
   CHECK(parse_command_line({"tandem-train", "--help"}).kind == Command::Kind::Help);
+  CHECK(d.options.cp_async == "auto");
+  CHECK(parse_command_line({"tandem-train", "--cp-async", "off"}).options.cp_async == "off");
+  CHECK_THROWS_WITH(parse_command_line({"tandem-train", "--cp-async", "maybe"}),
+                    Catch::Contains("--cp-async") && Catch::Contains("maybe"));
   CHECK_THROWS_WITH(parse_command_line({"tandem-train", "--cp-mode", "spiral"}),
                     Catch::Contains("--cp-mode") && Catch::Contains("spiral"));
   CHECK_THROWS_WITH(parse_command_line({"tandem-train", "--dp", "0"}), Catch::Contains("--dp"));

@@ -49,6 +49,11 @@ Command parse_command_line(const std::vector<std::string>& args) {
   app.add_flag("--cp-load-balance", o.load_balance,
                "allgather/ring: chunks r and 2cp-1-r per rank (even causal work)")
       ->group(layout);
+  app.add_option("--cp-async", o.cp_async,
+                 "collectives launched from the q/k/v projections (ulysses, allgather): on, off "
+                 "or auto (on where the mode has an async variant)")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->group(layout);
   app.add_option("--micro-batches", o.micro_batches, "micro-batches per step")
       ->check(CLI::Range(1, 4096))
       ->group(layout);

@@ -71,13 +71,22 @@ struct Rank {
   bool root() const { return world->rank() == 0; }
 };
 
+// Whether the CP layers are AsyncContextParallel's: --cp-async on, or auto
+// where the mode has an async variant (Ulysses and all-gather KV; hybrid and
+// ring run ContextParallel's collectives, which ring already overlaps with
+// its blocks).
+bool cp_async(const TrainOptions& o) {
+  const bool has_variant = o.cp_mode == "ulysses" || o.cp_mode == "allgather";
+  return o.cp > 1 && has_variant && o.cp_async != "off";
+}
+
 std::string layout_string(const TrainOptions& o, int world) {
   std::string cp;
   if (o.cp > 1) {
-    cp = fmt::format(" ({}{}{})", o.cp_mode,
+    cp = fmt::format(" ({}{}{}{})", o.cp_mode,
                      o.cp_mode == "hybrid" ? fmt::format(", Ulysses degree {}", o.ulysses_degree)
                                            : std::string(),
-                     o.load_balance ? ", load-balanced" : "");
+                     o.load_balance ? ", load-balanced" : "", cp_async(o) ? ", async" : "");
   }
   return fmt::format(
       "{} ranks, {} backend, {}: dp {} x ep {} x cp {}{} x tp {}; {} micro-batches, "
@@ -117,8 +126,15 @@ void build(Rank& r) {
                                                 : 1;
     if (o.cp_mode == "ring") cp.mode = CPMode::Ring;
     const DeviceMesh cp_mesh = r.mesh.slice("cp");
-    for (int64_t i = 0; i < r.model->config().layers; ++i)
-      cp.apply(r.model->block(i)->attn()->core(), cp_mesh);
+    for (int64_t i = 0; i < r.model->config().layers; ++i) {
+      const std::shared_ptr<nn::SelfAttention> attn = r.model->block(i)->attn();
+      if (cp_async(o)) {
+        AsyncContextParallel async{.config = cp, .head_size = attn->head_dim()};
+        async.apply(attn->core(), attn->q_proj(), attn->k_proj(), attn->v_proj(), cp_mesh);
+      } else {
+        cp.apply(attn->core(), cp_mesh);
+      }
+    }
   }
   r.pipe = std::make_unique<DualPipe>(r.model, r.mesh.slice("ep"), r.device);
   // A failure on either worker aborts every group this rank's peers may be
@@ -537,6 +553,12 @@ void validate(const TrainOptions& o, int world_size) {
                  "[train] expected --ulysses-degree {} to divide each rank's {} heads",
                  o.ulysses_degree, local_heads);
   }
+  TANDEM_CHECK(o.cp_async == "auto" || o.cp_async == "on" || o.cp_async == "off",
+               "[train] expected --cp-async auto|on|off, got '{}'", o.cp_async);
+  TANDEM_CHECK(o.cp_async != "on" || o.cp_mode == "ulysses" || o.cp_mode == "allgather",
+               "[train] --cp-async on expects --cp-mode ulysses or allgather (hybrid and ring "
+               "have no async variant), got '{}'",
+               o.cp_mode);
   TANDEM_CHECK(!o.load_balance || o.cp_mode == "allgather" || o.cp_mode == "ring",
                "[train] --cp-load-balance applies to --cp-mode allgather or ring, got '{}'",
                o.cp_mode);
