@@ -108,8 +108,13 @@ struct ContextParallel {
 // before the projection's GEMM (each collective is an Exchange of
 // parallel/collectives.h). Communication thus overlaps the projection GEMMs
 // in both directions. Results are identical to ContextParallel's. Supports
-// Ulysses (ulysses_degree == cp) and all-gather KV (ulysses_degree == 1, with
-// or without load balance); the projections output (B, S, heads * head_size),
+// Ulysses (ulysses_degree == cp), all-gather KV (ulysses_degree == 1, with
+// or without load balance) and hybrid (q over the ds group, K/V in one
+// all-to-all over the CP group: Note [Async hybrid in one collective] in
+// cp_async.cpp; equal to ContextParallel's up to the order in which the K/V
+// gradient's pieces are summed); mode Ring installs ContextParallel's ring,
+// whose transfers are in flight behind each block's compute in both
+// directions already. The projections output (B, S, heads * head_size),
 // and q/k/v reach the attention as views of those outputs (reshaped, nothing
 // computed in between). Where they do not — a null or fused (one module for
 // two of q/k/v) projection, a rotary embedding between projection and

@@ -1,5 +1,6 @@
-// AsyncContextParallel (DESIGN §7): Ulysses and all-gather KV with the
-// collectives moved out of the attention pre-hook. Each q/k/v projection's
+// AsyncContextParallel (DESIGN §7): Ulysses, all-gather KV and hybrid with
+// the collectives moved out of the attention pre-hook (ring attention is
+// asynchronous by construction: its layer is ContextParallel's). Each q/k/v projection's
 // forward hook starts its collective as an Exchange (Note [Exchange windows])
 // as soon as the projection has produced its output; the attention pre-hook
 // records the exchange's Launch and Wait and puts what arrived in place of
@@ -66,8 +67,9 @@ struct AsyncLayer {
   std::shared_ptr<CPRuntime> rt;  // the groups, for the synchronous fallback
   ProcessGroupPtr group;          // the CP group
   int cp = 1;
-  int64_t hs = 0;  // head size
-  bool ulysses = false;
+  int ds = 1;            // the Ulysses degree: cp (Ulysses), 1 (all-gather KV) or between (hybrid)
+  int64_t hs = 0;        // head size
+  bool ulysses = false;  // ds > 1: q is hooked too
   bool load_balance = false;
   int projections = 3;  // hooked projections (all-gather KV leaves q alone)
 };
@@ -78,16 +80,6 @@ void check_options(const AsyncContextParallel& async, const DeviceMesh& mesh) {
                "[parallel::AsyncContextParallel] expected head_size > 0 (the projections output "
                "heads * head_size features), got {}",
                async.head_size);
-  TANDEM_CHECK(config.mode == CPMode::Auto,
-               "[parallel::AsyncContextParallel] expected mode Auto (Ulysses or all-gather KV), "
-               "got mode Ring (ring attention has no async variant: apply ContextParallel with "
-               "mode Ring instead)");
-  TANDEM_CHECK(
-      config.ulysses_degree == 1 || config.ulysses_degree == static_cast<int64_t>(mesh.size()),
-      "[parallel::AsyncContextParallel] expected Ulysses (ulysses_degree == cp) or "
-      "all-gather KV (ulysses_degree == 1), got ulysses_degree {} on cp={} (hybrid has no async "
-      "variant)",
-      config.ulysses_degree, mesh.size());
   TANDEM_CHECK(
       config.seq_dim == 1 && config.head_dim == 2,
       "[parallel::AsyncContextParallel] expected BSHD (seq_dim 1, head_dim 2), got {} and {}",
@@ -117,31 +109,39 @@ std::vector<int64_t> forward_lengths(const AsyncLayer& layer, const Tensor& x, c
   return lengths;
 }
 
-// Ulysses: projection `i`'s output (B, S, heads * hs) from sequence- to
-// head-sharded; KV heads are replicated inside the launcher where cp does not
-// divide them, and their gradients summed back in the reverse one's finish.
+// The heads a KV projection output sends under a Ulysses degree `ds`: its
+// own, or ds copies where ds does not divide them (each head repeated
+// ds / heads times, in place; replicate_heads checks the counts).
+int64_t sent_kv_heads(int64_t heads, int ds) {
+  if (heads % ds == 0) return heads;
+  NoGradGuard no_grad;
+  replicate_heads(ops::zeros(Shape{1, 1, heads, 1}), 2, ds);
+  return ds;
+}
+
+// Ulysses over `group` (the CP group, or hybrid's ds group for q):
+// projection `i`'s output (B, S, heads * hs) from sequence- to head-sharded;
+// `lengths`: the tokens of every rank of `group`. KV heads are replicated
+// inside the launcher where the degree does not divide them, and their
+// gradients summed back in the reverse one's finish.
 Exchange ulysses_exchange(const Shape& y, int i, const AsyncLayer& layer,
-                          const std::vector<int64_t>& lengths) {
-  const int cp = layer.cp;
+                          const ProcessGroupPtr& group, const std::vector<int64_t>& lengths) {
+  const int degree = group->size();
   const int64_t B = y[0], S = y[1], hs = layer.hs, heads = y[2] / hs;
-  const bool replicate = i > 0 && heads % cp != 0;
-  const int64_t sent_heads = replicate ? cp : heads;
-  if (replicate) {
-    NoGradGuard no_grad;  // checks that the counts divide one another
-    replicate_heads(ops::zeros(Shape{1, 1, heads, 1}), 2, cp);
-  }
-  TANDEM_CHECK(sent_heads % cp == 0,
-               "[parallel::AsyncContextParallel] expected heads divisible by cp={}, got {}", cp,
-               sent_heads);
+  const int64_t sent_heads = i > 0 ? sent_kv_heads(heads, degree) : heads;
+  const bool replicate = sent_heads != heads;
+  TANDEM_CHECK(sent_heads % degree == 0,
+               "[parallel::AsyncContextParallel] expected heads divisible by the Ulysses degree "
+               "{}, got {}",
+               degree, sent_heads);
   const Shape split{B, S, heads, hs};
-  ProcessGroupPtr group = layer.group;
   Exchange ex;
   ex.what = "the async Ulysses all-to-all";
   ex.forward = [=](const Tensor& t) {
     Tensor x = t;
     if (replicate) {
       NoGradGuard no_grad;
-      x = ops::reshape(replicate_heads(ops::reshape(t, split), 2, cp),
+      x = ops::reshape(replicate_heads(ops::reshape(t, split), 2, degree),
                        Shape{B, S, sent_heads * hs});
     }
     return launch_all_to_all(x, group, 2, 1, {}, lengths, "async cp");
@@ -151,10 +151,61 @@ Exchange ulysses_exchange(const Shape& y, int i, const AsyncLayer& layer,
     if (replicate) {
       p.finish = [=, finish = p.finish](const Tensor& raw) {
         NoGradGuard no_grad;
-        Tensor d = ops::reshape(finish(raw), Shape{B, S, heads, cp / heads, hs});
+        Tensor d = ops::reshape(finish(raw), Shape{B, S, heads, degree / heads, hs});
         return ops::reshape(sum_to(d, Shape{B, S, heads, 1, hs}), Shape{B, S, heads * hs});
       };
     }
+    return p;
+  };
+  return ex;
+}
+
+// Note [Async hybrid in one collective]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Hybrid K/V is two collectives in ContextParallel: an all-to-all over the ds
+// group (sequence- to head-sharded within a block of ds adjacent ranks), then
+// an all-gather over the co group (the other blocks' tokens). The second can
+// only start once the first has arrived, so as a pair they could not both be
+// started in the projection's hook. Their result is one all-to-all over the
+// whole CP group instead: rank j = c * ds + d needs head shard d of every
+// rank's tokens, so each rank sends head shard (j mod ds) of its tokens to
+// rank j — its heads tiled co times, cut into cp pieces. Every rank receives
+// as many bytes as the pair delivers, in one collective that starts as soon
+// as the projection has run. Its gradient is the reverse all-to-all, then the
+// sum of the co tiles (and of replicated KV heads). The tokens arrive in rank
+// order, which is sequence order (hybrid has no load balance).
+Exchange hybrid_kv_exchange(const Shape& y, const AsyncLayer& layer,
+                            const std::vector<int64_t>& lengths) {
+  const int ds = layer.ds, co = layer.cp / layer.ds;
+  const int64_t B = y[0], S = y[1], hs = layer.hs, heads = y[2] / hs;
+  const int64_t sent = sent_kv_heads(heads, ds);  // heads after replication
+  const bool replicate = sent != heads;
+  TANDEM_CHECK(sent % ds == 0,
+               "[parallel::AsyncContextParallel] expected KV heads divisible by the Ulysses "
+               "degree {}, got {}",
+               ds, sent);
+  ProcessGroupPtr group = layer.group;
+  Exchange ex;
+  ex.what = "the async hybrid K/V all-to-all";
+  ex.forward = [=](const Tensor& t) {
+    NoGradGuard no_grad;
+    Tensor x = ops::reshape(t, Shape{B, S, heads, hs});
+    if (replicate) x = replicate_heads(x, 2, ds);
+    x = ops::expand(ops::unsqueeze(x, 2), Shape{B, S, co, sent, hs});  // tiled co times
+    return launch_all_to_all(ops::reshape(x, Shape{B, S, co * sent * hs}), group, 2, 1, {}, lengths,
+                             "async cp");
+  };
+  ex.backward = [=](const Tensor& g) {
+    PendingTensor p = launch_all_to_all(g, group, 1, 2, lengths, {}, "async cp grad");
+    p.finish = [=, finish = p.finish](const Tensor& raw) {
+      NoGradGuard no_grad;
+      Tensor d = ops::reshape(finish(raw), Shape{B, S, co, sent, hs});
+      d = sum_to(d, Shape{B, S, 1, sent, hs});  // the tiles
+      if (replicate) {
+        d = sum_to(ops::reshape(d, Shape{B, S, heads, ds / heads, hs}), Shape{B, S, heads, 1, hs});
+      }
+      return ops::reshape(d, Shape{B, S, heads * hs});
+    };
     return p;
   };
   return ex;
@@ -173,6 +224,17 @@ Exchange gather_exchange(const AsyncLayer& layer, const std::vector<int64_t>& le
   return ex;
 }
 
+// The exchange of projection `i` (0, 1, 2: q, k, v); `lengths`: the tokens of
+// every CP rank.
+Exchange make_exchange(const Shape& y, int i, const AsyncLayer& layer,
+                       const std::vector<int64_t>& lengths) {
+  if (layer.ds == 1) return gather_exchange(layer, lengths);
+  if (layer.ds == layer.cp) return ulysses_exchange(y, i, layer, layer.group, lengths);
+  if (i > 0) return hybrid_kv_exchange(y, layer, lengths);
+  return ulysses_exchange(y, i, layer, layer.rt->ds_group,
+                          cp_detail::ds_block_lengths(lengths, layer.group->rank(), layer.ds));
+}
+
 // Projection `i`'s forward hook: opens and starts its exchange, and leaves it
 // for the attention pre-hook under the storage of the output it returns.
 void register_launch_hook(const std::shared_ptr<Module>& proj, int i, const AsyncLayer& layer) {
@@ -187,9 +249,7 @@ void register_launch_hook(const std::shared_ptr<Module>& proj, int i, const Asyn
         if (y.dim() != 3 || y.shape()[2] % layer.hs != 0) return std::nullopt;
         const Tensor& x = in.positional.empty() ? y : in.positional[0];
         std::vector<int64_t> lengths = forward_lengths(layer, x, y);
-        auto ex = std::make_shared<Exchange>(layer.ulysses
-                                                 ? ulysses_exchange(y.shape(), i, layer, lengths)
-                                                 : gather_exchange(layer, lengths));
+        auto ex = std::make_shared<Exchange>(make_exchange(y.shape(), i, layer, lengths));
         std::vector<Tensor> out = outs;
         out[0] = exchange_open(ex, y);
         exchange_start(ex, out[0]);
@@ -276,16 +336,18 @@ void register_join_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
     for (int i = first; i < 3; ++i) {
       if (!started[i]) {
         fallback += fallback.empty() ? names[i] : fmt::format(", {}", names[i]);
-        *qkv[i] = layer.ulysses ? cp_detail::scatter_heads(*qkv[i], i > 0, s, *layer.rt, 1, 2)
-                                : cp_detail::gather_sequence(*qkv[i], s, *layer.rt, cfg);
+        Tensor& t = *qkv[i];
+        if (layer.ds > 1) t = cp_detail::scatter_heads(t, i > 0, s, *layer.rt, 1, 2);
+        if (layer.ds < layer.cp && i > 0) t = cp_detail::gather_sequence(t, s, *layer.rt, cfg);
         continue;
       }
       const Handoff::Started& e = *started[i];
       Tensor joined = exchange_wait(e.exchange, exchange_launch(e.exchange, e.output));
       if (!layer.ulysses && layer.load_balance)
         joined = restore_sequence_order(joined, 1, s.lengths, s.total, layer.cp);
-      const int64_t B = e.output.shape()[0];
-      *qkv[i] = reshape(joined, Shape{B, s.total, joined.shape()[2] / layer.hs, layer.hs});
+      const int64_t B = e.output.shape()[0];  // hybrid's q: the tokens of its ds block
+      *qkv[i] =
+          reshape(joined, Shape{B, joined.shape()[1], joined.shape()[2] / layer.hs, layer.hs});
     }
     if (!fallback.empty() && !layer.handoff->said_fallback.exchange(true)) {
       log_debug(
@@ -310,6 +372,13 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
                                  const std::shared_ptr<Module>& v_proj,
                                  const DeviceMesh& mesh) const {
   check_options(*this, mesh);
+  if (config.mode == CPMode::Ring) {
+    // Ring attention keeps the next K/V block and the dK/dV accumulators in
+    // flight while each block computes, in both directions (Note [Ring
+    // backward in flight]): its own layer is the asynchronous one.
+    config.apply(core, mesh);
+    return;
+  }
   const bool ulysses = config.ulysses_degree > 1;
   std::vector<std::shared_ptr<Module>> projections = {q_proj, k_proj, v_proj};
   // Note [Async CP fallback]: the projections the async path hooks.
@@ -337,6 +406,7 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
   layer.rt = rt;
   layer.group = rt->cp_group;
   layer.cp = rt->cp;
+  layer.ds = rt->ds;
   layer.hs = head_size;
   layer.ulysses = rt->ds > 1;
   layer.load_balance = config.load_balance;

@@ -114,19 +114,18 @@ TEST_CASE("context parallel SelfAttention with ranks that hold no token", "[cp][
     for (int64_t seq : {5, 2}) {
       cases.push_back({"ulysses", 4, 4, false, false, async, seq, 4, 2});
       cases.push_back({"allgather", 4, 1, false, false, async, seq, 4, 2});
-      if (!async) {
-        cases.push_back({"hybrid", 4, 2, false, false, async, seq, 4, 4});
-        cases.push_back({"ring", 4, 1, true, false, async, seq, 4, 2});
-      }
+      cases.push_back({"hybrid", 4, 2, false, false, async, seq, 4, 4});
+      cases.push_back({"hybrid-gqa", 4, 2, false, false, async, seq, 4, 1});
+      cases.push_back({"ring", 4, 1, true, false, async, seq, 4, 2});
     }
     // Load balance: S=3 on 2cp=8 pieces leaves rank 3 with none.
     for (int64_t seq : {3, 2}) {
       cases.push_back({"allgather-lb", 4, 1, false, true, async, seq, 4, 4});
-      if (!async) cases.push_back({"ring-lb", 4, 1, true, true, async, seq, 4, 4});
+      cases.push_back({"ring-lb", 4, 1, true, true, async, seq, 4, 4});
     }
     cases.push_back({"ulysses", 3, 3, false, false, async, 4, 6, 3});
     cases.push_back({"allgather", 3, 1, false, false, async, 4, 6, 3});
-    if (!async) cases.push_back({"ring", 3, 1, true, false, async, 4, 6, 3});
+    cases.push_back({"ring", 3, 1, true, false, async, 4, 6, 3});
   }
   for (const CPCase& c : cases) {
     SECTION(describe(c)) {
@@ -199,13 +198,14 @@ TEST_CASE("context parallel refusals name what they refuse", "[cp]") {
     auto attn = nn::make<nn::SelfAttention>(
         {.d_model = 24, .n_heads = 6, .n_kv_heads = 3, .causal = true}, g);
     attn->to(test::test_device());
-    // Async ring: the mode is what is refused, not the Ulysses degree.
+    // Async ring is ring's own layer, with its checks: a Ulysses degree is refused.
     AsyncContextParallel a;
     a.config.mode = CPMode::Ring;
+    a.config.ulysses_degree = 2;
     a.head_size = 4;
     RANK_CHECK_THROWS_WITH(
         rc, a.apply(attn->core(), attn->q_proj(), attn->k_proj(), attn->v_proj(), mesh),
-        "got mode Ring");
+        "expected ulysses_degree 1 with ring, got 2");
     // 3 KV heads on a Ulysses degree of 2: neither divides the other.
     ContextParallel u;
     u.ulysses_degree = 2;

@@ -50,8 +50,8 @@ Command parse_command_line(const std::vector<std::string>& args) {
                "allgather/ring: chunks r and 2cp-1-r per rank (even causal work)")
       ->group(layout);
   app.add_option("--cp-async", o.cp_async,
-                 "collectives launched from the q/k/v projections (ulysses, allgather): on, off "
-                 "or auto (on where the mode has an async variant)")
+                 "collectives launched from the q/k/v projections (ulysses, allgather, hybrid): "
+                 "on, off or auto (on where it applies)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->group(layout);
   app.add_option("--micro-batches", o.micro_batches, "micro-batches per step")

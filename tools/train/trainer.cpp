@@ -71,13 +71,11 @@ struct Rank {
   bool root() const { return world->rank() == 0; }
 };
 
-// Whether the CP layers are AsyncContextParallel's: --cp-async on, or auto
-// where the mode has an async variant (Ulysses and all-gather KV; hybrid and
-// ring run ContextParallel's collectives, which ring already overlaps with
-// its blocks).
+// Whether the CP layers are AsyncContextParallel's (--cp-async on or auto):
+// Ulysses, all-gather KV and hybrid. Ring keeps its transfers in flight
+// behind each block's compute in any case (Note [Ring backward in flight]).
 bool cp_async(const TrainOptions& o) {
-  const bool has_variant = o.cp_mode == "ulysses" || o.cp_mode == "allgather";
-  return o.cp > 1 && has_variant && o.cp_async != "off";
+  return o.cp > 1 && o.cp_mode != "ring" && o.cp_async != "off";
 }
 
 std::string layout_string(const TrainOptions& o, int world) {
@@ -555,9 +553,9 @@ void validate(const TrainOptions& o, int world_size) {
   }
   TANDEM_CHECK(o.cp_async == "auto" || o.cp_async == "on" || o.cp_async == "off",
                "[train] expected --cp-async auto|on|off, got '{}'", o.cp_async);
-  TANDEM_CHECK(o.cp_async != "on" || o.cp_mode == "ulysses" || o.cp_mode == "allgather",
-               "[train] --cp-async on expects --cp-mode ulysses or allgather (hybrid and ring "
-               "have no async variant), got '{}'",
+  TANDEM_CHECK(o.cp_async != "on" || o.cp_mode != "ring",
+               "[train] --cp-async on expects --cp-mode ulysses, allgather or hybrid (ring keeps "
+               "its transfers in flight behind each block in any case), got '{}'",
                o.cp_mode);
   TANDEM_CHECK(!o.load_balance || o.cp_mode == "allgather" || o.cp_mode == "ring",
                "[train] --cp-load-balance applies to --cp-mode allgather or ring, got '{}'",

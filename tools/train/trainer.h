@@ -54,7 +54,8 @@ struct TrainOptions {
   int ulysses_degree = 0;           // hybrid: the Ulysses degree (1 < d < cp, divides cp)
   bool load_balance = false;        // allgather / ring: balanced causal work
   // AsyncContextParallel (collectives launched from the q/k/v projections):
-  // on | off | auto (on where the mode has an async variant: ulysses, allgather).
+  // on | off | auto (on for ulysses, allgather and hybrid; ring overlaps its
+  // own transfers).
   std::string cp_async = "auto";
   int micro_batches = 2;
   bool overlap = true;  // the dual-pipe schedule
