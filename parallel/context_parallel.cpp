@@ -33,6 +33,16 @@ void check_options(const ContextParallel& config, const std::shared_ptr<nn::Core
       mesh.ndim() == 1 || mesh.ndim() == 2,
       "[parallel::ContextParallel] expected a 1-D or 2-D (co, ds) mesh, got a {}-D mesh {}",
       mesh.ndim(), mesh.str());
+  const bool bshd = config.seq_dim == 1 && config.head_dim == 2;
+  const bool bnsd = config.seq_dim == 2 && config.head_dim == 1;
+  TANDEM_CHECK(bshd || bnsd,
+               "[parallel::ContextParallel] expected BSHD (seq_dim 1, head_dim 2) or BNSD "
+               "(seq_dim 2, head_dim 1), got seq_dim {} and head_dim {}",
+               config.seq_dim, config.head_dim);
+  TANDEM_CHECK(bnsd == (core->layout() == nn::QKVLayout::BNSD),
+               "[parallel::ContextParallel] expected seq_dim {} and head_dim {} to match the core "
+               "attention's layout {}, got seq_dim {} and head_dim {}",
+               bnsd ? 1 : 2, bnsd ? 2 : 1, bnsd ? "BSHD" : "BNSD", config.seq_dim, config.head_dim);
   TANDEM_CHECK(config.use_local_output,
                "[parallel::ContextParallel] expected use_local_output (modules exchange local "
                "tensors; for DTensor inputs and outputs call attend()), got false");
@@ -147,14 +157,17 @@ void set_attention_kernel(const std::shared_ptr<nn::CoreAttention>& core,
                           const ContextParallel& config, const std::shared_ptr<CPRuntime>& rt) {
   const bool ring = config.mode == CPMode::Ring;
   const int64_t sd = config.seq_dim;
+  const bool bnsd = sd == 2;
   const int cp_rank = rt->cp_group->rank();
   core->set_kernel([=](const Tensor& q, const Tensor& k, const Tensor& v,
                        const AttentionOptions& options, const Args& args) -> Tensor {
     CPCallState s = layout_of(args);
     if (ring && rt->cp > 1) {
       return cp_detail::ring_attention(q, k, v, rt->cp_group, options, s.total, config.load_balance,
-                                       s.lengths);
+                                       s.lengths, bnsd);
     }
+    // The kernels read (B, H, S, D): BSHD tensors as transposed views.
+    auto heads_first = [bnsd](const Tensor& t) { return bnsd ? t : transpose(t, 1, 2); };
     std::vector<SeqPiece> pieces =
         local_query_pieces(s, *rt, cp_rank, config.load_balance, q.shape()[sd]);
     std::vector<Tensor> outs;
@@ -165,9 +178,9 @@ void set_attention_kernel(const std::shared_ptr<nn::CoreAttention>& core,
       o.k_offset = 0;
       Tensor qp = narrow(q, sd, local, p.length);
       local += p.length;
-      AttentionResult r = scaled_dot_product_attention(transpose(qp, 1, 2), transpose(k, 1, 2),
-                                                       transpose(v, 1, 2), o);
-      outs.push_back(transpose(r.out, 1, 2));
+      AttentionResult r =
+          scaled_dot_product_attention(heads_first(qp), heads_first(k), heads_first(v), o);
+      outs.push_back(heads_first(r.out));
     }
     return contiguous(outs.size() == 1 ? outs[0] : cat(outs, sd));
   });

@@ -72,7 +72,9 @@ struct CPRuntime {
 };
 
 struct ContextParallel {
-  int64_t seq_dim = 1;  // of the Q/K/V tensors (BSHD)
+  // Of the Q/K/V tensors: 1 and 2 (BSHD), or 2 and 1 (BNSD), as the core
+  // attention's QKVLayout says (checked at apply).
+  int64_t seq_dim = 1;
   int64_t head_dim = 2;
   int64_t ulysses_degree = 1;
   std::vector<int> qkv_positions = {0, 1, 2};            // positional slots of q, k, v

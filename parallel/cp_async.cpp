@@ -74,16 +74,12 @@ struct AsyncLayer {
   int projections = 3;  // hooked projections (all-gather KV leaves q alone)
 };
 
-void check_options(const AsyncContextParallel& async, const DeviceMesh& mesh) {
-  const ContextParallel& config = async.config;
+// The layout checks are ContextParallel's (install and apply).
+void check_options(const AsyncContextParallel& async) {
   TANDEM_CHECK(async.head_size > 0,
                "[parallel::AsyncContextParallel] expected head_size > 0 (the projections output "
                "heads * head_size features), got {}",
                async.head_size);
-  TANDEM_CHECK(
-      config.seq_dim == 1 && config.head_dim == 2,
-      "[parallel::AsyncContextParallel] expected BSHD (seq_dim 1, head_dim 2), got {} and {}",
-      config.seq_dim, config.head_dim);
 }
 
 // Every rank's local sequence length in this forward: gathered by the first
@@ -328,7 +324,8 @@ void register_join_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
     }
     if (lengths.empty() && !orphans.empty()) lengths = orphans.front().lengths;
     if (lengths.empty()) {
-      lengths = sequence_lengths(*qkv[first], 1, layer.group, "an async context-parallel layer");
+      lengths = sequence_lengths(*qkv[first], cfg.seq_dim, layer.group,
+                                 "an async context-parallel layer");
     }
     cp_detail::CPCallState s = cp_detail::set_layout(args, lengths);
 
@@ -337,7 +334,9 @@ void register_join_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
       if (!started[i]) {
         fallback += fallback.empty() ? names[i] : fmt::format(", {}", names[i]);
         Tensor& t = *qkv[i];
-        if (layer.ds > 1) t = cp_detail::scatter_heads(t, i > 0, s, *layer.rt, 1, 2);
+        if (layer.ds > 1) {
+          t = cp_detail::scatter_heads(t, i > 0, s, *layer.rt, cfg.seq_dim, cfg.head_dim);
+        }
         if (layer.ds < layer.cp && i > 0) t = cp_detail::gather_sequence(t, s, *layer.rt, cfg);
         continue;
       }
@@ -348,6 +347,7 @@ void register_join_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
       const int64_t B = e.output.shape()[0];  // hybrid's q: the tokens of its ds block
       *qkv[i] =
           reshape(joined, Shape{B, joined.shape()[1], joined.shape()[2] / layer.hs, layer.hs});
+      if (cfg.seq_dim == 2) *qkv[i] = transpose(*qkv[i], 1, 2);  // BNSD
     }
     if (!fallback.empty() && !layer.handoff->said_fallback.exchange(true)) {
       log_debug(
@@ -371,7 +371,7 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
                                  const std::shared_ptr<Module>& k_proj,
                                  const std::shared_ptr<Module>& v_proj,
                                  const DeviceMesh& mesh) const {
-  check_options(*this, mesh);
+  check_options(*this);
   if (config.mode == CPMode::Ring) {
     // Ring attention keeps the next K/V block and the dK/dV accumulators in
     // flight while each block computes, in both directions (Note [Ring

@@ -75,11 +75,12 @@ std::vector<int64_t> ds_block_lengths(const std::vector<int64_t>& lengths, int r
 Tensor restore_sequence_order(const Tensor& gathered, int64_t dim,
                               const std::vector<int64_t>& lengths, int64_t total, int cp);
 
-// Ring attention over the local q, k, v (BSHD) of every rank of `group`
-// (cp_ring.cpp): `seq_len` is the global length, `lengths` every rank's local
-// length.
+// Ring attention over the local q, k, v (BSHD, or BNSD with `bnsd`) of every
+// rank of `group` (cp_ring.cpp): `seq_len` is the global length, `lengths`
+// every rank's local length.
 Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                       const ProcessGroupPtr& group, const AttentionOptions& options,
-                      int64_t seq_len, bool load_balance, const std::vector<int64_t>& lengths);
+                      int64_t seq_len, bool load_balance, const std::vector<int64_t>& lengths,
+                      bool bnsd);
 
 }  // namespace tandem::cp_detail

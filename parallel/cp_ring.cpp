@@ -20,8 +20,10 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-Tensor bhsd(const Tensor& t) {
-  return ops::contiguous(ops::transpose(t, 1, 2));
+// A BSHD tensor as BHSD (the kernels' order) and back; BNSD tensors are
+// BHSD already.
+Tensor swap_heads(const Tensor& t, bool bnsd) {
+  return ops::contiguous(bnsd ? t : ops::transpose(t, 1, 2));
 }
 
 // Merges (out2, lse2) into (out1, lse1): the log-sum-exp rule, -inf safe.
@@ -44,7 +46,8 @@ struct RingAttention final : Function {
   AttentionOptions options;
   int64_t seq_len = 0;  // global
   bool load_balance = false;
-  std::vector<int64_t> lengths;                            // every rank's local length
+  bool bnsd = false;             // q, k, v and the output are (B, H, S, D), else (B, S, H, D)
+  std::vector<int64_t> lengths;  // every rank's local length
   Tensor saved_q, saved_k, saved_v, saved_out, saved_lse;  // BHSD
 
   const char* name() const override { return "RingAttentionBackward"; }
@@ -91,7 +94,7 @@ struct RingAttention final : Function {
 
   std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
     const int n = group->size(), me = group->rank();
-    Tensor q = bhsd(in[0]), k = bhsd(in[1]), v = bhsd(in[2]);
+    Tensor q = swap_heads(in[0], bnsd), k = swap_heads(in[1], bnsd), v = swap_heads(in[2], bnsd);
     const int64_t max_len = *std::max_element(lengths.begin(), lengths.end());
     std::vector<SeqPiece> qp = pieces(me);
     std::vector<int64_t> qo = local_offsets(qp);
@@ -130,7 +133,7 @@ struct RingAttention final : Function {
     saved_v = v;
     saved_out = ops::to(o, q.dtype());
     saved_lse = l;
-    return {ops::contiguous(ops::transpose(saved_out, 1, 2))};
+    return {swap_heads(saved_out, bnsd)};
   }
 
   // Note [Ring backward in flight]
@@ -148,7 +151,7 @@ struct RingAttention final : Function {
   // accumulators go home (to the next rank, their owner).
   std::vector<Tensor> backward(FunctionCtx&, const std::vector<Tensor>& g) override {
     const int n = group->size(), me = group->rank();
-    Tensor dout = bhsd(g[0]);
+    Tensor dout = swap_heads(g[0], bnsd);
     const int64_t max_len = *std::max_element(lengths.begin(), lengths.end());
     std::vector<SeqPiece> qp = pieces(me);
     std::vector<int64_t> qo = local_offsets(qp);
@@ -207,12 +210,10 @@ struct RingAttention final : Function {
     dv = arriving->results()[1];
     const int64_t mine = lengths[me];
     auto back = [&](const Tensor& t, const Tensor& like) {
-      return ops::contiguous(
-          ops::transpose(ops::to(ops::narrow(t, 2, 0, mine), like.dtype()), 1, 2));
+      return swap_heads(ops::to(ops::narrow(t, 2, 0, mine), like.dtype()), bnsd);
     };
     saved_q = saved_k = saved_v = saved_out = saved_lse = Tensor();
-    return {ops::contiguous(ops::transpose(ops::to(dq, g[0].dtype()), 1, 2)), back(dk, g[0]),
-            back(dv, g[0])};
+    return {swap_heads(ops::to(dq, g[0].dtype()), bnsd), back(dk, g[0]), back(dv, g[0])};
   }
 };
 
@@ -220,8 +221,10 @@ struct RingAttention final : Function {
 
 Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                       const ProcessGroupPtr& group, const AttentionOptions& options,
-                      int64_t seq_len, bool load_balance, const std::vector<int64_t>& lengths) {
+                      int64_t seq_len, bool load_balance, const std::vector<int64_t>& lengths,
+                      bool bnsd) {
   auto f = std::make_shared<RingAttention>();
+  f->bnsd = bnsd;
   f->group = group;
   f->options = options;
   f->seq_len = seq_len;

@@ -40,21 +40,23 @@ std::shared_ptr<const DocumentBounds> scoped_documents() {
   return std::static_pointer_cast<const DocumentBounds>(find_call_data(&kDocumentsKey));
 }
 
-CoreAttention::CoreAttention(const AttentionOptions& options)
-    : Module("CoreAttention"), options_(options) {}
+CoreAttention::CoreAttention(const AttentionOptions& options, QKVLayout layout)
+    : Module("CoreAttention"), options_(options), layout_(layout) {}
 
 std::vector<Tensor> CoreAttention::forward(Args& args) {
   const Tensor q = qkv_argument(args, "q", 0);
   const Tensor k = qkv_argument(args, "k", 1);
   const Tensor v = qkv_argument(args, "v", 2);
+  const bool bnsd = layout_ == QKVLayout::BNSD;
   TANDEM_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-               "[nn::CoreAttention] expected (B, S, H, D) q, k and v, got q={}, k={}, v={}",
-               q.shape(), k.shape(), v.shape());
+               "[nn::CoreAttention] expected {} q, k and v, got q={}, k={}, v={}",
+               bnsd ? "(B, H, S, D)" : "(B, S, H, D)", q.shape(), k.shape(), v.shape());
   AttentionOptions options = options_;
   if (Tensor* t = args.find("q_offset")) options.q_offset = offset_argument(*t, "q_offset");
   if (Tensor* t = args.find("k_offset")) options.k_offset = offset_argument(*t, "k_offset");
   if (!options.documents) options.documents = scoped_documents();
   if (kernel_) return {kernel_(q, k, v, options, args)};
+  if (bnsd) return {contiguous(scaled_dot_product_attention(q, k, v, options).out)};
   // BSHD → BHSD views; the kernel front end makes them contiguous.
   AttentionResult r = scaled_dot_product_attention(transpose(q, 1, 2), transpose(k, 1, 2),
                                                    transpose(v, 1, 2), options);

@@ -21,10 +21,16 @@
 
 namespace tandem::nn {
 
+// The order of the dims of q, k, v and the output of a CoreAttention:
+// (batch, sequence, heads, head dim), or (batch, heads, sequence, head dim)
+// as PyTorch's scaled_dot_product_attention takes them.
+enum class QKVLayout { BSHD, BNSD };
+
 // Arguments: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D) with Hq % Hkv == 0
 // (grouped-query heads), each taken from args.named ("q", "k", "v") when
 // present, else from args.positional[0], [1], [2]. So a hook may pass them
-// either way. Output: {(B, Sq, Hq, D)}, contiguous.
+// either way. Output: {(B, Sq, Hq, D)}, contiguous. With QKVLayout::BNSD the
+// heads come before the sequence in all four: q (B, Hq, Sq, D), and so on.
 //
 // Causal masking uses global positions: query i sits at q_offset + i and key j
 // at k_offset + j (AttentionOptions). The offsets come from options() (fixed
@@ -39,7 +45,8 @@ namespace tandem::nn {
 // kernels with that rank's positions).
 class CoreAttention final : public Module {
  public:
-  // Replaces the attention computation itself (BSHD in, BSHD out); context
+  // Replaces the attention computation itself (the module's layout in and
+  // out); context
   // parallelism installs ring and load-balanced kernels this way. `args` are
   // this call's arguments as the pre-hooks left them: per-call data a hook
   // passes to its kernel rides there (Note [CP per-call state]).
@@ -47,7 +54,8 @@ class CoreAttention final : public Module {
                                       const AttentionOptions& options, const Args& args)>;
 
   using Options = AttentionOptions;
-  explicit CoreAttention(const AttentionOptions& options = {});
+  explicit CoreAttention(const AttentionOptions& options = {}, QKVLayout layout = QKVLayout::BSHD);
+  QKVLayout layout() const { return layout_; }
   void set_kernel(Kernel kernel) { kernel_ = std::move(kernel); }
   bool has_kernel() const { return kernel_ != nullptr; }
 
@@ -60,6 +68,7 @@ class CoreAttention final : public Module {
 
  private:
   AttentionOptions options_;
+  QKVLayout layout_;
   Kernel kernel_;
 };
 
