@@ -543,8 +543,10 @@ TEST_CASE("async context parallel falls back to the synchronous collectives wher
 }
 
 TEST_CASE("context parallel composes with tensor parallel on a (cp, tp) mesh", "[cp][tp]") {
-  for (int ds : {1, 2}) {
-    INFO("ulysses_degree=" << ds);
+  // The async variant too: the column-parallel projections give each rank its
+  // tp shard of the heads, which the projections' hooks send on.
+  for (auto [ds, async] : {std::pair{1, false}, {2, false}, {1, true}, {2, true}}) {
+    INFO("ulysses_degree=" << ds << " async=" << async);
     const int64_t B = 2, S = 12, d = 32, H = 8;
     Generator gen(21);
     Tensor x = ops::randn({B, S, d}, gen);
@@ -574,7 +576,12 @@ TEST_CASE("context parallel composes with tensor parallel on a (cp, tp) mesh", "
                           {"o_proj", rowwise()}});
       ContextParallel config;
       config.ulysses_degree = ds;
-      config.apply(attn->core(), cp);
+      if (async) {
+        AsyncContextParallel a{.config = config, .head_size = d / H};
+        a.apply(attn->core(), attn->q_proj(), attn->k_proj(), attn->v_proj(), cp);
+      } else {
+        config.apply(attn->core(), cp);
+      }
       Tensor xl = test::on_test_device(shard_sequence(x, 1, 2, c, false));
       set_requires_grad(xl);
       Tensor out = (*attn)(xl);
