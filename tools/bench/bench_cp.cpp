@@ -3,7 +3,9 @@
 // q/k/v/o projections, forward + backward in f32, runs on 4 rank threads in
 // each CP mode: Ulysses (ds=4), all-gather KV (ds=1, with and without load
 // balance), hybrid (ds=2), ring (with and without load balance), and the
-// async variants of Ulysses and all-gather KV (AsyncContextParallel).
+// async variants of Ulysses, all-gather KV (with and without load balance)
+// and hybrid (AsyncContextParallel; ring's transfers are in flight behind its
+// blocks in the ring rows themselves: Note [Ring backward in flight]).
 //
 // Note [CP benchmark method]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -97,7 +99,7 @@ constexpr double kMemoryBudgetBytes = 8.0 * (1ll << 30);
 constexpr double kCacheMargin = 1.25;
 constexpr double kRunBudgetS = 360;
 constexpr double kPeakTarget = 0.35;    // per-rank peak / single-rank peak
-constexpr double kAsyncTarget = 0.5;    // exposed comm async / exposed comm sync
+constexpr double kAsyncTarget = 0.4;    // exposed comm async / exposed comm sync
 constexpr double kLinkLatencyUs = 2.0;  // NVLink-like; negligible against the GEMM
 constexpr double kMiB = 1 << 20;
 
@@ -120,6 +122,8 @@ const Mode kModes[] = {
     {"ring-lb", 1, true, true, false, nullptr, true},
     {"async-ulysses", kRanks, false, false, true, "ulysses", true},
     {"async-allgather-kv", 1, false, false, true, "allgather-kv", false},
+    {"async-allgather-kv-lb", 1, false, true, true, "allgather-kv-lb", false},
+    {"async-hybrid", 2, false, false, true, "hybrid", false},
 };
 
 struct Size {
@@ -600,7 +604,7 @@ void add_rows(Report& report, const std::vector<Measured>& all) {
     row.device = "cpu";
     row.threads = kRanks;
     row.baseline = fmt::format("{} (sync)", m.mode->sync_of);
-    row.target = 1.0 / kAsyncTarget;  // exposed sync / exposed async >= 2
+    row.target = 1.0 / kAsyncTarget;  // exposed sync / exposed async >= 2.5
     if (!m.run.error.empty() || !sync->run.error.empty()) {
       row.error = !m.run.error.empty() ? m.run.error : sync->run.error;
     } else {
