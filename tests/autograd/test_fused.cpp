@@ -52,19 +52,6 @@ void require_close(const Tensor& got, const Tensor& want, double atol, double rt
   }
 }
 
-// Gradients of sum(f(inputs) * up) with respect to `inputs` (fresh leaves).
-std::vector<Tensor> gradients(const std::function<Tensor(const std::vector<Tensor>&)>& f,
-                              const std::vector<Tensor>& values, const Tensor& up) {
-  std::vector<Tensor> leaves;
-  for (const Tensor& v : values) {
-    Tensor l = ops::clone(v);
-    set_requires_grad(l, true);
-    leaves.push_back(l);
-  }
-  backward(sum(mul(f(leaves), up)));
-  return grads_of(leaves);
-}
-
 // ---- composite references ----
 
 // Attention from differentiable primitives: grouped kv heads repeated,

@@ -79,19 +79,6 @@ Tensor per_document_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   return cat(rows, 0);
 }
 
-// Gradients of sum(f(inputs) * up) with respect to fresh leaves of `values`.
-std::vector<Tensor> gradients(const std::function<Tensor(const std::vector<Tensor>&)>& f,
-                              const std::vector<Tensor>& values, const Tensor& up) {
-  std::vector<Tensor> leaves;
-  for (const Tensor& v : values) {
-    Tensor l = ops::clone(v);
-    set_requires_grad(l, true);
-    leaves.push_back(l);
-  }
-  backward(sum(mul(f(leaves), up)));
-  return grads_of(leaves);
-}
-
 void require_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
   REQUIRE(got.shape() == want.shape());
   const std::vector<double> g = values_of(got), w = values_of(want);

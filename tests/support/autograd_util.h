@@ -53,6 +53,20 @@ inline std::vector<Tensor> grads_of(const std::vector<Tensor>& tensors) {
   return out;
 }
 
+// The gradients of sum(f(leaves) * up) with respect to fresh leaves holding
+// `values`.
+inline std::vector<Tensor> gradients(const std::function<Tensor(const std::vector<Tensor>&)>& f,
+                                     const std::vector<Tensor>& values, const Tensor& up) {
+  std::vector<Tensor> leaves;
+  for (const Tensor& v : values) {
+    Tensor l = ops::clone(v);
+    set_requires_grad(l, true);
+    leaves.push_back(l);
+  }
+  backward(sum(mul(f(leaves), up)));
+  return grads_of(leaves);
+}
+
 // True when both lists have defined, bit-identical tensors at every position.
 inline bool all_equal(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
   if (a.size() != b.size()) return false;
