@@ -169,3 +169,22 @@ TEST_CASE("async context parallel on BNSD tensors equals the sync variant", "[cp
     }
   }
 }
+
+TEST_CASE("context parallel refuses dims its core attention's layout does not have", "[cp][bnsd]") {
+  tandem::testing::RankChecks rc;
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {2}, {"cp"}, {}, test::test_device());
+    const Mode allgather{"allgather", 2, 1, false, false, 8, 2};
+    auto bshd_core = std::make_shared<nn::CoreAttention>();
+    RANK_CHECK_THROWS_WITH(rc, bnsd_config(allgather).apply(bshd_core, mesh),
+                           "expected seq_dim 1 and head_dim 2 to match the core attention's "
+                           "layout BSHD, got seq_dim 2 and head_dim 1");
+    auto bnsd_core = std::make_shared<nn::CoreAttention>(AttentionOptions{}, nn::QKVLayout::BNSD);
+    RANK_CHECK_THROWS_WITH(rc, ContextParallel{}.apply(bnsd_core, mesh),
+                           "layout BNSD, got seq_dim 1 and head_dim 2");
+    ContextParallel odd;
+    odd.seq_dim = 3;
+    RANK_CHECK_THROWS_WITH(rc, odd.apply(bshd_core, mesh), "got seq_dim 3 and head_dim 2");
+  });
+  rc.report();
+}
