@@ -67,11 +67,12 @@ struct AsyncLayer {
   std::shared_ptr<CPRuntime> rt;  // the groups, for the synchronous fallback
   ProcessGroupPtr group;          // the CP group
   int cp = 1;
-  int ds = 1;            // the Ulysses degree: cp (Ulysses), 1 (all-gather KV) or between (hybrid)
-  int64_t hs = 0;        // head size
-  bool ulysses = false;  // ds > 1: q is hooked too
+  int ds = 1;      // the Ulysses degree: cp (Ulysses), 1 (all-gather KV) or between (hybrid)
+  int64_t hs = 0;  // head size
   bool load_balance = false;
-  int projections = 3;  // hooked projections (all-gather KV leaves q alone)
+  // The first hooked slot (0, 1, 2: q, k, v): all-gather KV leaves q alone.
+  int first_slot() const { return ds > 1 ? 0 : 1; }
+  int projections() const { return 3 - first_slot(); }
 };
 
 // The layout checks are ContextParallel's (install and apply).
@@ -98,9 +99,9 @@ std::vector<int64_t> forward_lengths(const AsyncLayer& layer, const Tensor& x, c
   }
   std::vector<int64_t> lengths =
       sequence_lengths(y, 1, layer.group, "an async context-parallel layer");
-  if (layer.projections > 1) {
+  if (layer.projections() > 1) {
     std::lock_guard<std::mutex> lock(h.mu);
-    h.lengths[key] = {x, lengths, layer.projections - 1, std::this_thread::get_id()};
+    h.lengths[key] = {x, lengths, layer.projections() - 1, std::this_thread::get_id()};
   }
   return lengths;
 }
@@ -288,7 +289,7 @@ void register_join_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
     Args args = in;
     std::vector<Tensor*> qkv = qkv_slots(args, cfg);
     static const char* names[] = {"q", "k", "v"};
-    const int first = layer.ulysses ? 0 : 1;  // all-gather KV leaves q alone
+    const int first = layer.first_slot();
     std::vector<std::optional<Handoff::Started>> started(3);
     std::vector<Handoff::Started> orphans;
     {
@@ -342,7 +343,7 @@ void register_join_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
       }
       const Handoff::Started& e = *started[i];
       Tensor joined = exchange_wait(e.exchange, exchange_launch(e.exchange, e.output));
-      if (!layer.ulysses && layer.load_balance)
+      if (layer.ds == 1 && layer.load_balance)
         joined = restore_sequence_order(joined, 1, s.lengths, s.total, layer.cp);
       const int64_t B = e.output.shape()[0];  // hybrid's q: the tokens of its ds block
       *qkv[i] =
@@ -408,10 +409,8 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
   layer.cp = rt->cp;
   layer.ds = rt->ds;
   layer.hs = head_size;
-  layer.ulysses = rt->ds > 1;
   layer.load_balance = config.load_balance;
-  layer.projections = layer.ulysses ? 3 : 2;
-  for (int i = layer.ulysses ? 0 : 1; i < 3; ++i)
+  for (int i = layer.first_slot(); i < 3; ++i)
     register_launch_hook(projections[i], i, layer);
   register_join_pre_hook(core, config, layer);
 }

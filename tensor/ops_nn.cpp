@@ -172,7 +172,7 @@ Tensor windows_tensor(const AttentionOptions& o, int64_t B, int64_t Sq, int64_t 
                       const char* op) {
   if (!o.documents) return Tensor();
   std::vector<int32_t> w = attention_windows(o, B, Sq, Sk, op);
-  const int64_t rows = static_cast<int64_t>(w.size()) / (2 * std::max<int64_t>(Sq, 1));
+  const auto rows = static_cast<int64_t>(o.documents->cumulative.size());
   return from_vector(w, Shape{rows, Sq, 2}, dev);
 }
 
