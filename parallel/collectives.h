@@ -64,6 +64,9 @@ struct PendingTensor {
 
   bool launched() const { return work != nullptr; }
   bool ready() const;
+  // Asks the backend to move the data while the caller goes on computing,
+  // with no thread waiting on it (Note [Progress without a waiter]).
+  void progress_in_background() const;
   // The raw result buffer, before it is filled: for hooks that pass it on
   // without reading it (Note [Exchange windows]).
   Tensor in_flight() const;
@@ -114,6 +117,9 @@ std::vector<int64_t> gather_lengths(const Tensor& x, const ProcessGroupPtr& grou
 //               (or adopt the one that  on the gradient of y
 //               exchange_start issued)
 //   Wait        wait for it, finish     identity
+//
+// Both launches ask for progress in the background, so the window's compute
+// overlaps the copies on every backend (Note [Progress without a waiter]).
 //
 // Launch returns the collective's raw buffer before it is filled (and its
 // backward the reverse one's); only code that passes it on without reading

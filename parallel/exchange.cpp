@@ -7,6 +7,11 @@
 namespace tandem {
 namespace {
 
+void start_forward(Exchange& ex, const Tensor& x) {
+  ex.forward_pending = ex.forward(x);
+  ex.forward_pending.progress_in_background();  // Note [Progress without a waiter]
+}
+
 // Note [Exchange windows]: the three nodes.
 struct ExchangeOpen final : Function {
   std::shared_ptr<Exchange> ex;
@@ -28,7 +33,7 @@ struct ExchangeLaunch final : Function {
   const char* name() const override { return "ExchangeLaunchBackward"; }
   bool always_record() const override { return true; }
   std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
-    if (!ex->forward_pending.launched()) ex->forward_pending = ex->forward(in[0]);
+    if (!ex->forward_pending.launched()) start_forward(*ex, in[0]);
     return {ex->forward_pending.in_flight()};  // in flight until Wait
   }
   std::vector<Tensor> backward(FunctionCtx&, const std::vector<Tensor>& g) override {
@@ -37,6 +42,7 @@ struct ExchangeLaunch final : Function {
                  "before the first was waited",
                  ex->what);
     ex->backward_pending = ex->backward(g[0]);
+    ex->backward_pending.progress_in_background();
     return {ex->backward_pending.in_flight()};  // in flight until Open
   }
 };
@@ -81,7 +87,7 @@ void exchange_start(const std::shared_ptr<Exchange>& ex, const Tensor& x) {
   TANDEM_CHECK(!ex->forward_pending.launched(),
                "[parallel::Exchange] expected {} to be started once, got a second start", ex->what);
   NoGradGuard no_grad;
-  ex->forward_pending = ex->forward(x);
+  start_forward(*ex, x);
 }
 
 Tensor exchange_launch(const std::shared_ptr<Exchange>& ex, const Tensor& x) {

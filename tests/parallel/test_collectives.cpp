@@ -292,3 +292,46 @@ TEST_CASE("collectives refuse bad lengths before issuing anything", "[collective
   });
   rc.report();
 }
+
+// Note [Progress without a waiter]: an Exchange's collectives complete while
+// every rank thread only sleeps. Work::wait_finished() drives nothing, so on
+// the threads backend they would stay posted and uncopied without the comm
+// thread's help, and the bounded wait would report false.
+TEST_CASE("an Exchange's collectives progress while no rank waits on them", "[collectives]") {
+  const int n = 3;
+  const std::vector<int64_t> lengths = {2, 1, 0};
+  tandem::testing::RankChecks rc;
+  run_ranks(n, [&](ProcessGroupPtr pg) {
+    const int r = pg->rank();
+    Generator gen(static_cast<uint64_t>(30 + r));
+    Tensor x = test::on_test_device(ops::randn(Shape{1, lengths[static_cast<size_t>(r)], 6}, gen));
+    Tensor g = test::on_test_device(ops::randn(Shape{1, 3, 2}, gen));
+    auto ex = std::make_shared<Exchange>();
+    ex->what = "the background exchange";
+    ex->forward = [&](const Tensor& t) { return launch_all_to_all(t, pg, 2, 1, {}, lengths); };
+    ex->backward = [&](const Tensor& d) { return launch_all_to_all(d, pg, 1, 2, lengths, {}); };
+    Tensor xe = ops::clone(x);
+    set_requires_grad(xe);
+    Tensor opened = exchange_open(ex, xe);
+    Tensor in_flight = exchange_launch(ex, opened);
+    RANK_CHECK(rc, ex->forward_pending.work->wait_finished(std::chrono::seconds(20)));
+    Tensor y = exchange_wait(ex, in_flight);
+    RANK_CHECK(rc, same(y, test::on_cpu(all_to_all_dims(x, pg, 2, 1, {}, lengths))));
+    // Backward: Launch's backward issues the reverse collective and hands
+    // `opened` its in-flight gradient; a hook on that gradient runs before
+    // Open's backward waits, and sleeps until the collective completed.
+    bool reverse_finished = false;
+    register_hook(opened, [&](const Tensor&) {
+      reverse_finished = ex->backward_pending.launched() &&
+                         ex->backward_pending.work->wait_finished(std::chrono::seconds(20));
+      return Tensor();
+    });
+    backward(sum(mul(y, g)));
+    RANK_CHECK(rc, reverse_finished);
+    Tensor xr = ops::clone(x);
+    set_requires_grad(xr);
+    backward(sum(mul(all_to_all_dims(xr, pg, 2, 1, {}, lengths), g)));
+    RANK_CHECK(rc, same(grad(xe), test::on_cpu(grad(xr))));
+  });
+  rc.report();
+}
