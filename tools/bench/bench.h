@@ -39,6 +39,9 @@ struct Options {
   std::string trace;
   // `autograd` only: "cpu" (the default) or "cuda", the GPU mode.
   std::string device = "cpu";
+  // `cp` only: "threads" (the default: rank threads, simulated link and
+  // plain) or "mpi" (one process per rank under mpirun -n 4, plain only).
+  std::string backend = "threads";
   // `all`: when set, Report::finish() stores its JSON object here and
   // nothing is printed (the table is off too). Not owned: run_all's.
   nlohmann::ordered_json* collect = nullptr;
@@ -186,7 +189,7 @@ int run_autograd(const Options& options);  // bench_autograd.cpp
 int run_autograd_cuda(const Options& options);  // bench_autograd_cuda.cpp
 int run_comm(const Options& options);           // bench_comm.cpp
 int run_dtensor(const Options& options);        // bench_dtensor.cpp
-int run_cp(const Options& options);             // bench_cp.cpp
+int run_cp(const Options& options);             // bench_cp.cpp (--backend mpi: bench_cp_plain.cpp)
 int run_overlap(const Options& options);        // bench_overlap.cpp
 // Every sub-benchmark's --quick run in this process, as one JSON document
 // written to `json_path` (stdout when empty); progress on stderr.

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "tools/bench/bench.h"
+#include "tools/bench/bench_cp.h"
 
 int main(int argc, char** argv) {
   tandem::bench::hold_blas_to_kernel_isa(argv);
@@ -42,6 +43,11 @@ int main(int argc, char** argv) {
   cp->add_option("--seq", options.seq, "sequence length S (default: the largest that fits)");
   cp->add_option("--dim", options.dim, "model dimension d (default 1024, 256 with --quick)");
   cp->add_option("--heads", options.heads, "attention heads (default 16)");
+  cp->add_option("--backend", options.backend,
+                 "threads (default: rank threads, on the simulated link and on the plain "
+                 "backend) or mpi (under mpirun -n 4: the plain MPI backend, exposed "
+                 "communication and exact per-rank peak memory; S=1024 unless --seq)")
+      ->check(CLI::IsMember({"threads", "mpi"}));
   CLI::App* overlap = app.add_subcommand(
       "overlap",
       "dual-pipe overlap of MoE all-to-alls on a simulated link: overlapped step vs "
@@ -70,7 +76,10 @@ int main(int argc, char** argv) {
     if (*autograd) return tandem::bench::run_autograd(options);
     if (*comm) return tandem::bench::run_comm(options);
     if (*dtensor) return tandem::bench::run_dtensor(options);
-    if (*cp) return tandem::bench::run_cp(options);
+    if (*cp) {
+      return options.backend == "mpi" ? tandem::bench::run_cp_mpi(options)
+                                      : tandem::bench::run_cp(options);
+    }
     if (*overlap) return tandem::bench::run_overlap(options);
     if (*all) return tandem::bench::run_all(all_json);
   } catch (const std::exception& e) {
