@@ -60,6 +60,13 @@ class Work : public std::enable_shared_from_this<Work> {
   // backend whose waiters drive the collective (threads) must make sure one
   // runs when only callbacks observe the Work.
   virtual void on_completion(std::function<void()> fn);
+  // Asks the backend to move this collective's data while the launching
+  // thread goes on computing, with nobody waiting on it yet (Note [Progress
+  // without a waiter] in parallel/collectives.cpp). A no-op where
+  // collectives progress on their own (MPI's executor, NCCL's kernels); the
+  // threads backend hands the copies to the group's comm thread. Waiting is
+  // still required: this only moves work earlier.
+  virtual void progress_in_background() {}
   // Host wait until finish() without rethrowing; false on timeout.
   bool wait_finished(std::chrono::milliseconds timeout);
   std::exception_ptr error() const;

@@ -127,16 +127,18 @@ bool PendingTensor::ready() const {
 // (Note [MPI progress]) do that on their own. The threads backend's copies
 // are run by whoever drives the round, normally a waiter (Note [Threads
 // rounds]), which for a collective waited only after the compute would put
-// every copy after it: "async" would overlap nothing. A Work observed
-// through a completion callback is driven by its group's comm thread instead
-// (ThreadsWork::on_completion), so registering one hands the copies to that
-// thread, which sleeps until the last peer has posted and then copies
-// alongside the rank's compute; a waiter that arrives first still helps.
-// Only the windows of Exchange ask for this: a collective waited at once is
-// fastest driven by its waiter, with no hand-off between threads.
+// every copy after it: "async" would overlap nothing.
+// Work::progress_in_background() therefore hands the round to the group's
+// comm thread, which sleeps until the last peer has posted and then runs the
+// copies alongside the rank's compute; a waiter that arrives first still
+// helps, and only a waiter finishes the Work or reports its failure (the comm
+// thread holds no reference to it, so a finished collective's buffers are
+// never kept alive by that thread). Only the windows of Exchange ask for
+// this: a collective waited at once is fastest driven by its waiter, with no
+// hand-off between threads.
 void PendingTensor::progress_in_background() const {
   TANDEM_CHECK(work != nullptr, "[parallel::PendingTensor] expected a launched collective");
-  work->on_completion([] {});
+  work->progress_in_background();
 }
 
 Tensor PendingTensor::in_flight() const {

@@ -158,6 +158,9 @@ class ThreadsWork final : public Work {
   // A Work observed only through its callbacks has no waiter to drive it:
   // the comm thread does.
   void on_completion(std::function<void()> fn) override;
+  // The comm thread runs the round's copies as they open (Note [Progress
+  // without a waiter] in parallel/collectives.cpp).
+  void progress_in_background() override;
 
   // Set by launch() when it posted the collective itself, before the Work
   // reaches anyone else. Works the comm thread posts are driven by it.
@@ -171,6 +174,7 @@ class ThreadsWork final : public Work {
   Ticket ticket_;
   bool posted_ = false;
   std::atomic<bool> handed_off_{false};
+  std::atomic<bool> progressing_{false};
 };
 
 class ThreadsProcessGroup final : public ProcessGroup {
@@ -261,6 +265,37 @@ class ThreadsProcessGroup final : public ProcessGroup {
   // Runs drive() on the comm thread, for a Work no thread of this backend waits on.
   void drive_on_comm_thread(const Ticket& t, WorkPtr work) {
     queue_->push([this, t, work] { drive(t, *work, true); });
+  }
+
+  // On the comm thread: runs the jobs of round t as they open, until the
+  // round retires, is sealed, or its watchdog deadline passes, or every job
+  // has been claimed. Finishing the Work and reporting a failure are left to
+  // its waiter, so the task holds no Work (Note [Progress without a waiter]).
+  void progress_on_comm_thread(const Ticket& t) {
+    queue_->push([this, t] { progress(t); });
+  }
+
+  void progress(const Ticket& t) noexcept {
+    SharedGroup& g = *shared_;
+    Round& R = g.round(t.round);
+    const uint64_t use = t.round / kRounds;
+    const Clock::time_point deadline = t.posted_at + timeout();
+    try {
+      for (;;) {
+        const uint64_t s = R.state.load();
+        const uint64_t opened = R.opened.load();
+        if (use_of(s) != use || (s & kSealed) != 0 || g.broken()) return;
+        if (g.run_jobs(R, use, rank())) continue;
+        // Every member posted and no job is left to claim: the ones running
+        // elsewhere retire the round.
+        if (posted_of(s) == g.size || Clock::now() >= deadline) return;
+        auto moved = [&] { return R.state.load() != s || R.opened.load() != opened || g.broken(); };
+        g.wait_until(moved, deadline);
+      }
+    } catch (const std::exception& e) {
+      g.abort(fmt::format("rank {}'s comm thread failed while copying #{} {}: {}", rank(), t.seq,
+                          collective_name(t.kind), e.what()));
+    }
   }
 
  protected:
@@ -631,6 +666,13 @@ bool ThreadsWork::is_completed() {
     anchor_->with_group([&](ThreadsProcessGroup& group) { group.drive(ticket_, *this, false); });
   }
   return Work::is_completed();
+}
+
+void ThreadsWork::progress_in_background() {
+  if (posted_ && !Work::is_completed() && !progressing_.exchange(true)) {
+    anchor_->with_comm_thread(
+        [&](ThreadsProcessGroup& group) { group.progress_on_comm_thread(ticket_); });
+  }
 }
 
 void ThreadsWork::on_completion(std::function<void()> fn) {
