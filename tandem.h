@@ -39,6 +39,7 @@
 #include "tandem/autograd/nn/linear.h"
 #include "tandem/autograd/nn/moe.h"
 #include "tandem/autograd/nn/norm.h"
+#include "tandem/autograd/nn/rope.h"
 #include "tandem/autograd/nn/transformer.h"
 #include "tandem/autograd/ops.h"
 #include "tandem/autograd/optim.h"

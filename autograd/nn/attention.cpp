@@ -69,31 +69,41 @@ SelfAttention::SelfAttention(const SelfAttentionOptions& options, Generator& gen
       n_heads_(options.n_heads),
       n_kv_heads_(options.n_kv_heads > 0 ? options.n_kv_heads : options.n_heads) {
   const int64_t d_model = d_model_, n_heads = n_heads_, n_kv_heads = n_kv_heads_;
-  TANDEM_CHECK(d_model > 0 && n_heads > 0 && d_model % n_heads == 0,
-               "[nn::SelfAttention] expected a positive d_model divisible by n_heads, got "
-               "d_model={}, n_heads={}",
+  TANDEM_CHECK(d_model > 0 && n_heads > 0 && (options.head_dim > 0 || d_model % n_heads == 0),
+               "[nn::SelfAttention] expected a positive d_model divisible by n_heads (or an "
+               "explicit head_dim), got d_model={}, n_heads={}",
                d_model, n_heads);
   TANDEM_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0,
                "[nn::SelfAttention] expected n_heads divisible by n_kv_heads, got n_heads={}, "
                "n_kv_heads={}",
                n_heads, n_kv_heads);
-  head_dim_ = d_model / n_heads;
-  q_proj_ = register_module(
-      "q_proj",
-      nn::make<nn::Linear>(
-          {.in_features = d_model, .out_features = n_heads * head_dim_, .bias = false}, gen));
-  k_proj_ = register_module(
-      "k_proj",
-      nn::make<nn::Linear>(
-          {.in_features = d_model, .out_features = n_kv_heads * head_dim_, .bias = false}, gen));
-  v_proj_ = register_module(
-      "v_proj",
-      nn::make<nn::Linear>(
-          {.in_features = d_model, .out_features = n_kv_heads * head_dim_, .bias = false}, gen));
-  o_proj_ = register_module(
-      "o_proj",
-      nn::make<nn::Linear>(
-          {.in_features = n_heads * head_dim_, .out_features = d_model, .bias = false}, gen));
+  head_dim_ = options.head_dim > 0 ? options.head_dim : d_model / n_heads;
+  TANDEM_CHECK(options.head_dim >= 0,
+               "[nn::SelfAttention] expected head_dim >= 0 (0: d_model / n_heads), got {}",
+               options.head_dim);
+  auto projection = [&](const char* name, int64_t in, int64_t out, bool bias) {
+    return register_module(
+        name, nn::make<nn::Linear>({.in_features = in, .out_features = out, .bias = bias}, gen));
+  };
+  q_proj_ = projection("q_proj", d_model, n_heads * head_dim_, options.qkv_bias);
+  k_proj_ = projection("k_proj", d_model, n_kv_heads * head_dim_, options.qkv_bias);
+  v_proj_ = projection("v_proj", d_model, n_kv_heads * head_dim_, options.qkv_bias);
+  o_proj_ = projection("o_proj", n_heads * head_dim_, d_model, options.o_bias);
+  if (options.qk_norm) {
+    q_norm_ = register_module("q_norm",
+                              nn::make<RMSNorm>({.dim = head_dim_, .eps = options.qk_norm_eps}));
+    k_norm_ = register_module("k_norm",
+                              nn::make<RMSNorm>({.dim = head_dim_, .eps = options.qk_norm_eps}));
+  }
+  if (options.rope) {
+    rope_ = options.rope;
+    TANDEM_CHECK(rope_->head_dim == 0 || rope_->head_dim == head_dim_,
+                 "[nn::SelfAttention] expected the rotary embedding's head_dim to be 0 or the "
+                 "layer's {}, got {}",
+                 head_dim_, rope_->head_dim);
+    rope_->head_dim = head_dim_;
+    rope_inv_freq(*rope_);  // checks the options now rather than in the first forward
+  }
   AttentionOptions core_options;
   core_options.causal = options.causal;
   core_ = register_module("core", nn::make<CoreAttention>(core_options));
@@ -113,6 +123,16 @@ std::vector<Tensor> SelfAttention::forward(Args& args) {
   Tensor q = split_heads((*q_proj_)(x));
   Tensor k = split_heads((*k_proj_)(x));
   Tensor v = split_heads((*v_proj_)(x));
+  if (q_norm_) {
+    q = (*q_norm_)(q);
+    k = (*k_norm_)(k);
+  }
+  if (rope_) {
+    auto [cos, sin] =
+        rope_tables(*rope_, local_positions(S, "nn::SelfAttention"), x.dtype(), x.device());
+    q = apply_rotary(q, cos, sin);
+    k = apply_rotary(k, cos, sin);
+  }
   Tensor attn = (*core_).call(Args{q, k, v})[0];  // (B, S, Hq, Dh)
   return {(*o_proj_)(reshape(attn, Shape{B, S, attn.shape()[2] * attn.shape()[3]}))};
 }

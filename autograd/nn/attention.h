@@ -13,10 +13,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include "tandem/autograd/call_data.h"
 #include "tandem/autograd/module.h"
 #include "tandem/autograd/nn/linear.h"
+#include "tandem/autograd/nn/norm.h"
+#include "tandem/autograd/nn/rope.h"
 #include "tandem/tensor/ops.h"
 
 namespace tandem::nn {
@@ -92,11 +95,22 @@ struct SelfAttentionOptions {
   int64_t n_heads = 0;
   int64_t n_kv_heads = 0;  // 0: n_heads (no grouping)
   bool causal = true;
+  int64_t head_dim = 0;   // 0: d_model / n_heads
+  bool qkv_bias = false;  // biases on q_proj, k_proj, v_proj (Qwen2; Llama's attention_bias)
+  bool o_bias = false;    // a bias on o_proj (Llama's attention_bias)
+  bool qk_norm = false;   // RMSNorm over each head of q and k (children q_norm, k_norm)
+  double qk_norm_eps = 1e-6;
+  // A rotary embedding of q and k (after the norms) at the positions of
+  // local_positions(): Note [Rotary positions]. Its head_dim is this
+  // layer's.
+  std::optional<RotaryOptions> rope = std::nullopt;
 };
 
-// Multi-head self-attention with grouped-query heads: x (B, S, d_model) →
-// q_proj/k_proj/v_proj (bias-free Linears) reshaped to (B, S, H, Dh) with
-// Dh = d_model / n_heads → core → (B, S, n_heads * Dh) → o_proj → (B, S, d_model).
+// Multi-head self-attention with grouped-query heads, as the Llama family
+// has it: x (B, S, d_model) → q_proj/k_proj/v_proj (Linears) reshaped to
+// (B, S, H, Dh) → [q_norm/k_norm] → [rotary embedding of q and k] → core →
+// (B, S, n_heads * Dh) → o_proj → (B, S, d_model). Dh = head_dim, by default
+// d_model / n_heads.
 class SelfAttention final : public Module {
  public:
   using Options = SelfAttentionOptions;
@@ -110,6 +124,10 @@ class SelfAttention final : public Module {
   const std::shared_ptr<Linear>& v_proj() const { return v_proj_; }
   const std::shared_ptr<Linear>& o_proj() const { return o_proj_; }
   const std::shared_ptr<CoreAttention>& core() const { return core_; }
+  // Null unless options.qk_norm.
+  const std::shared_ptr<RMSNorm>& q_norm() const { return q_norm_; }
+  const std::shared_ptr<RMSNorm>& k_norm() const { return k_norm_; }
+  const std::optional<RotaryOptions>& rope() const { return rope_; }
 
  protected:
   std::vector<Tensor> forward(Args& args) override;
@@ -124,6 +142,9 @@ class SelfAttention final : public Module {
   std::shared_ptr<Linear> v_proj_;
   std::shared_ptr<Linear> o_proj_;
   std::shared_ptr<CoreAttention> core_;
+  std::shared_ptr<RMSNorm> q_norm_;
+  std::shared_ptr<RMSNorm> k_norm_;
+  std::optional<RotaryOptions> rope_;
 };
 
 }  // namespace tandem::nn
