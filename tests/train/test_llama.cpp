@@ -1,0 +1,196 @@
+// The Llama family model (tools/train/llama.h) against the reference
+// implementation: tiny random Llama, Llama-3-scaled and Qwen2 models that
+// `transformers` built and saved (tools/hf_fixtures.py, versions in
+// tests/fixtures/hf/versions.json), with the logits, the causal-LM loss and
+// some parameter gradients it computed for a fixed batch. Loaded by their
+// Hugging Face names, tandem's model must give the same numbers; saved and
+// loaded again, the same bits; under context parallelism with each rank's
+// positions declared, the same logits rows. Configs and checkpoints tandem
+// cannot honour are refused naming the field or tensor.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "tandem/autograd/ops.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/context_parallel.h"
+#include "tandem/tensor/io/safetensors.h"
+#include "tools/train/llama.h"
+
+using namespace tandem;
+using namespace tandem::train;
+using Catch::Matchers::Contains;
+
+namespace {
+
+const std::string kFixtures = TANDEM_HF_FIXTURES;
+
+std::string fixture(const std::string& name) {
+  return kFixtures + "/" + name;
+}
+
+std::shared_ptr<LlamaForCausalLM> load_fixture(const std::string& name) {
+  LlamaConfig config = LlamaConfig::from_file(fixture(name) + "/config.json");
+  Generator gen(1);
+  auto model = nn::make<LlamaForCausalLM>(config, gen);
+  load_hf_checkpoint(*model, fixture(name));
+  return model;
+}
+
+// |got - want| <= atol + rtol |want|, with the worst element in the message.
+std::string compare(const Tensor& got, const Tensor& want, double rtol, double atol) {
+  if (got.shape() != want.shape()) return fmt::format("shape {} vs {}", got.shape(), want.shape());
+  const std::vector<float> g = ops::to(got, DType::F32).to_vector<float>();
+  const std::vector<float> w = ops::to(want, DType::F32).to_vector<float>();
+  double worst = 0;
+  size_t at = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double excess = std::abs(g[i] - w[i]) - (atol + rtol * std::abs(w[i]));
+    if (excess > worst) {
+      worst = excess;
+      at = i;
+    }
+  }
+  return worst > 0 ? fmt::format("element {}: {} vs {}", at, g[at], w[at]) : "";
+}
+
+std::string temp_dir(const std::string& what) {
+  auto dir = std::filesystem::temp_directory_path() /
+             fmt::format("tandem-llama-{}-{}", what, static_cast<long>(::getpid()));
+  std::filesystem::remove_all(dir);
+  return dir.string();
+}
+
+}  // namespace
+
+TEST_CASE("Llama-family checkpoints from transformers give its logits, loss and gradients",
+          "[llama]") {
+  for (const char* name : {"llama", "llama3-scaled", "qwen2"}) {
+    INFO(name);
+    auto model = load_fixture(name);
+    SafetensorsFile ref = load_safetensors(fixture(name) + "/reference.safetensors");
+    const Tensor tokens = ref.at("input_ids");
+    Tensor logits = (*model)(tokens);
+    CHECK(compare(logits, ref.at("logits"), 1e-4, 1e-5) == "");
+    Tensor loss = causal_lm_loss(logits, tokens);
+    CHECK(compare(reshape(loss, Shape{1}), ref.at("loss"), 1e-4, 0) == "");
+    backward(loss);
+    int checked = 0;
+    for (const auto& [pname, p] : model->named_parameters()) {
+      if (!ref.contains("grad." + pname)) continue;
+      INFO(pname);
+      CHECK(compare(grad(p), ref.at("grad." + pname), 1e-4, 1e-6) == "");
+      ++checked;
+    }
+    CHECK(checked >= 5);  // the fixture's gradients were found by name
+  }
+}
+
+TEST_CASE("a Llama checkpoint saved by tandem loads back bit for bit, sharded or not", "[llama]") {
+  auto model = load_fixture("qwen2");
+  for (int64_t shard_bytes : {int64_t{1} << 30, int64_t{4096}}) {
+    INFO("max shard bytes " << shard_bytes);
+    const std::string dir = temp_dir("save");
+    save_hf_checkpoint(*model, dir, DType::F32, shard_bytes);
+    CHECK(std::filesystem::exists(dir + "/model.safetensors.index.json") ==
+          (shard_bytes < 4096 * 8));
+    LlamaConfig again = LlamaConfig::from_file(dir + "/config.json");
+    CHECK(again.qkv_bias);
+    CHECK(again.tie_word_embeddings);
+    Generator gen(2);
+    auto loaded = nn::make<LlamaForCausalLM>(again, gen);
+    load_hf_checkpoint(*loaded, dir);
+    const auto a = model->named_parameters(), b = loaded->named_parameters();
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      CHECK(a[i].first == b[i].first);
+      CHECK(ops::equal(a[i].second, b[i].second));
+    }
+    std::filesystem::remove_all(dir);
+  }
+}
+
+TEST_CASE("a Llama model under context parallelism gives the single-rank logits", "[llama][cp]") {
+  auto reference = load_fixture("llama3-scaled");
+  SafetensorsFile ref = load_safetensors(fixture("llama3-scaled") + "/reference.safetensors");
+  const Tensor tokens = ref.at("input_ids");
+  const Tensor want = (*reference)(tokens);
+  const int64_t S = tokens.shape()[1];
+  struct Layout {
+    int ds;
+    bool ring, load_balance;
+  };
+  for (Layout l : {Layout{2, false, false}, Layout{1, true, true}, Layout{1, false, true}}) {
+    INFO("ds=" << l.ds << " ring=" << l.ring << " lb=" << l.load_balance);
+    std::vector<std::string> errors(2);
+    run_ranks(2, [&](ProcessGroupPtr pg) {
+      const int r = pg->rank();
+      auto model = load_fixture("llama3-scaled");
+      DeviceMesh mesh(pg, {2}, {"cp"});
+      ContextParallel cp;
+      cp.ulysses_degree = l.ds;
+      cp.load_balance = l.load_balance;
+      cp.mode = l.ring ? CPMode::Ring : CPMode::Auto;
+      for (int64_t i = 0; i < model->config().num_hidden_layers; ++i)
+        cp.apply(model->model()->layer(i)->self_attn()->core(), mesh);
+      std::vector<int64_t> positions;
+      for (const SeqPiece& p : sequence_pieces(S, 2, r, l.load_balance)) {
+        for (int64_t k = 0; k < p.length; ++k)
+          positions.push_back(p.start + k);
+      }
+      nn::PositionScope scope(positions);
+      Tensor logits = (*model)(shard_sequence(tokens, 1, 2, r, l.load_balance));
+      errors[r] = compare(logits, shard_sequence(want, 1, 2, r, l.load_balance), 1e-5, 1e-5);
+    });
+    CHECK(errors[0] == "");
+    CHECK(errors[1] == "");
+  }
+}
+
+TEST_CASE("Llama configs and checkpoints tandem cannot honour are refused by name", "[llama]") {
+  std::ifstream in(fixture("llama") + "/config.json");
+  const nlohmann::json base = nlohmann::json::parse(in);
+  auto with = [&](const char* key, nlohmann::json value) {
+    nlohmann::json j = base;
+    j[key] = std::move(value);
+    return j;
+  };
+  CHECK_THROWS_WITH(LlamaConfig::from_json(with("hidden_act", "gelu")),
+                    Contains("field hidden_act: tandem implements silu, got 'gelu'"));
+  CHECK_THROWS_WITH(
+      LlamaConfig::from_json(with("rope_parameters", {{"rope_type", "yarn"}, {"factor", 4.0}})),
+      Contains("rope_type: tandem implements default and llama3, got 'yarn'"));
+  nlohmann::json mistral = with("model_type", "mistral");
+  mistral["sliding_window"] = 4096;
+  CHECK_THROWS_WITH(LlamaConfig::from_json(mistral), Contains("field sliding_window"));
+  CHECK_THROWS_WITH(LlamaConfig::from_json(with("model_type", "gemma")),
+                    Contains("model_type: expected llama, mistral or qwen2, got 'gemma'"));
+  CHECK_THROWS_WITH(LlamaConfig::from_json(with("num_local_experts", 8)),
+                    Contains("field num_local_experts"));
+  nlohmann::json no_vocab = base;
+  no_vocab.erase("vocab_size");
+  CHECK_THROWS_WITH(LlamaConfig::from_json(no_vocab), Contains("field vocab_size"));
+  CHECK_THROWS_WITH(LlamaConfig::from_json(with("num_key_value_heads", 3)),
+                    Contains("divisible by num_key_value_heads (3)"));
+
+  // A config wider than the checkpoint: the first tensor that differs is named.
+  LlamaConfig wider = LlamaConfig::from_json(with("intermediate_size", 32));
+  Generator gen(3);
+  auto model = nn::make<LlamaForCausalLM>(wider, gen);
+  CHECK_THROWS_WITH(load_hf_checkpoint(*model, fixture("llama")),
+                    Contains("'model.layers.0.mlp.gate_proj.weight' has shape [24,16], the config "
+                             "expects [32,16]"));
+  // One layer more than stored: a missing tensor.
+  auto deeper =
+      nn::make<LlamaForCausalLM>(LlamaConfig::from_json(with("num_hidden_layers", 3)), gen);
+  CHECK_THROWS_WITH(load_hf_checkpoint(*deeper, fixture("llama")),
+                    Contains("has no tensor 'model.layers.2."));
+  // One layer fewer: a tensor the config has no parameter for.
+  auto shallower =
+      nn::make<LlamaForCausalLM>(LlamaConfig::from_json(with("num_hidden_layers", 1)), gen);
+  CHECK_THROWS_WITH(load_hf_checkpoint(*shallower, fixture("llama")),
+                    Contains("holds tensor 'model.layers.1."));
+  CHECK_THROWS_WITH(load_hf_checkpoint(*shallower, kFixtures), Contains("found neither"));
+}

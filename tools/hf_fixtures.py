@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Tiny Hugging Face checkpoints and their reference outputs, as test fixtures.
+
+Run by hand (needs `pip install torch transformers safetensors`), never by CI:
+
+    python3 tools/hf_fixtures.py tests/fixtures/hf
+
+For each model family below it builds a tiny random model with `transformers`,
+saves it with `save_pretrained` (config.json + model.safetensors, f32), and
+writes `reference.safetensors` next to it: the input batch, the logits, the
+causal-LM loss of that batch (labels = inputs, shifted inside the model as
+`transformers` does) and the gradients of a few parameters. `versions.json`
+records what made them. The Catch2 tests load each checkpoint into tandem and
+compare (tests/train/test_llama.cpp).
+"""
+import json
+import pathlib
+import sys
+
+import safetensors.torch
+import torch
+import transformers
+
+BATCH, SEQ = 2, 12
+
+# (name, config class, config fields). Every model is small enough for its
+# files to stay a few kilobytes; grouped-query heads everywhere.
+COMMON = dict(
+    vocab_size=48,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    torch_dtype="float32",
+)
+MODELS = [
+    ("llama", transformers.LlamaConfig,
+     dict(COMMON, rope_theta=10000.0, tie_word_embeddings=False)),
+    # Llama 3 frequency scaling with a short original context, so that the
+    # tiny head_dim has a stretched, a blended and a kept frequency band.
+    ("llama3-scaled", transformers.LlamaConfig,
+     dict(COMMON, head_dim=8, num_attention_heads=2, num_key_value_heads=1, rope_theta=500.0,
+          tie_word_embeddings=False,
+          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                            high_freq_factor=4.0, original_max_position_embeddings=16))),
+    # Qwen2: biases on q/k/v, tied embeddings.
+    ("qwen2", transformers.Qwen2Config,
+     dict(COMMON, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False)),
+]
+# Gradients stored for the test: every layer kind once.
+GRAD_PARAMS = [
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.1.self_attn.k_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.layers.1.input_layernorm.weight",
+    "model.norm.weight",
+]
+
+
+def randomise(model):
+    """Weights far from the tiny default init, norms away from 1, so that
+    every part of the model moves the logits."""
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            else:
+                p.copy_(0.3 * noise)
+
+
+def make(out_dir, name, config_class, fields):
+    torch.manual_seed(0)
+    config = config_class(**fields)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    randomise(model)
+    model.eval()
+    target = out_dir / name
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target, safe_serialization=True)
+
+    gen = torch.Generator().manual_seed(99)
+    input_ids = torch.randint(0, fields["vocab_size"], (BATCH, SEQ), generator=gen)
+    model.zero_grad()
+    out = model(input_ids=input_ids, labels=input_ids)
+    out.loss.backward()
+    params = dict(model.named_parameters())
+    reference = {
+        "input_ids": input_ids.to(torch.int64).contiguous(),
+        "logits": out.logits.detach().to(torch.float32).contiguous(),
+        "loss": out.loss.detach().reshape(1).to(torch.float32).contiguous(),
+    }
+    for p in GRAD_PARAMS:
+        if p in params and params[p].grad is not None:
+            reference["grad." + p] = params[p].grad.detach().contiguous()
+    safetensors.torch.save_file(reference, str(target / "reference.safetensors"))
+    print(f"{name}: loss {out.loss.item():.6f}, {sum(p.numel() for p in params.values())} "
+          f"parameters -> {target}")
+
+
+def main():
+    out_dir = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, config_class, fields in MODELS:
+        make(out_dir, name, config_class, fields)
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "safetensors": safetensors.__version__, "script": "tools/hf_fixtures.py"}
+    (out_dir / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
