@@ -4,6 +4,11 @@
 Run by hand (needs `pip install torch transformers safetensors`), never by CI:
 
     python3 tools/hf_fixtures.py tests/fixtures/hf
+    python3 tools/hf_fixtures.py --check-export build/tests/tandem-tests-train
+
+The second form asks the Catch2 test to write every fixture model as tandem
+saves it (sharded, through TANDEM_LLAMA_EXPORT_DIR), loads each with
+`transformers` and checks its logits against the stored reference.
 
 For each model family below it builds a tiny random model with `transformers`,
 saves it with `save_pretrained` (config.json + model.safetensors, f32), and
@@ -14,6 +19,7 @@ records what made them. The Catch2 tests load each checkpoint into tandem and
 compare (tests/train/test_llama.cpp).
 """
 import json
+import os
 import pathlib
 import sys
 
@@ -104,7 +110,32 @@ def make(out_dir, name, config_class, fields):
           f"parameters -> {target}")
 
 
+def check_export(test_binary):
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, TANDEM_LLAMA_EXPORT_DIR=tmp)
+        subprocess.run([test_binary, "a Llama checkpoint saved by tandem*"], env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        fixtures = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
+        failed = False
+        for name, _, _ in MODELS:
+            model = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp}/{name}")
+            model.eval()
+            ref = safetensors.torch.load_file(str(fixtures / name / "reference.safetensors"))
+            with torch.no_grad():
+                logits = model(input_ids=ref["input_ids"]).logits
+            ok = torch.allclose(logits, ref["logits"], rtol=1e-4, atol=1e-5)
+            print(f"{name}: tandem's export loads in transformers, logits "
+                  f"{'match' if ok else 'DIFFER'} (max |diff| "
+                  f"{(logits - ref['logits']).abs().max().item():.2e})")
+            failed |= not ok
+        sys.exit(1 if failed else 0)
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--check-export":
+        check_export(sys.argv[2])
     out_dir = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf")
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, config_class, fields in MODELS:

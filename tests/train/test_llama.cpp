@@ -9,6 +9,7 @@
 // cannot honour are refused naming the field or tensor.
 #include <catch2/catch.hpp>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -109,6 +110,12 @@ TEST_CASE("a Llama checkpoint saved by tandem loads back bit for bit, sharded or
       CHECK(ops::equal(a[i].second, b[i].second));
     }
     std::filesystem::remove_all(dir);
+  }
+  // For tools/hf_fixtures.py --check-export: every fixture as tandem writes
+  // it, for transformers to load and compare with its own reference.
+  if (const char* out = std::getenv("TANDEM_LLAMA_EXPORT_DIR")) {
+    for (const char* name : {"llama", "llama3-scaled", "qwen2"})
+      save_hf_checkpoint(*load_fixture(name), std::string(out) + "/" + name, DType::F32, 16384);
   }
 }
 
