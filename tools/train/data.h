@@ -98,4 +98,62 @@ class TextTask final : public Task {
   int64_t seq_len_;
 };
 
+// Note [Token files]
+// ~~~~~~~~~~~~~~~~~~
+// Tokenized text as one flat array of token ids, the format llm.c writes
+// (and nanoGPT's headerless variant): a header of 256 little-endian int32,
+// [0] = 20240520, [1] = 1 for uint16 tokens or 2 for uint32, [2] = the token
+// count, then the tokens; a file without that magic is read as bare uint16
+// tokens. The file is memory-mapped, not read: a corpus may exceed memory,
+// and every rank process maps the same pages. Batches are windows of S + 1
+// tokens at positions drawn as TextTask draws them (Note [Deterministic
+// batches]), so data ranks see different windows and a resumed run the same
+// ones; every position is scored. tools/tokenize_text.py writes such files with
+// a Hugging Face tokenizer.
+class TokenFile {
+ public:
+  explicit TokenFile(const std::string& path);
+  ~TokenFile();
+  TokenFile(const TokenFile&) = delete;
+  TokenFile& operator=(const TokenFile&) = delete;
+
+  int64_t size() const { return count_; }
+  int bytes_per_token() const { return width_; }
+  bool has_header() const { return header_; }
+  int64_t operator[](int64_t i) const;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  const uint8_t* tokens_ = nullptr;
+  int64_t count_ = 0;
+  int width_ = 2;
+  bool header_ = false;
+};
+
+// Writes `tokens` in the llm.c format (uint16 when every id fits, else
+// uint32): for tests and small tools; tools/tokenize_text.py writes large ones.
+void write_token_file(const std::string& path, const std::vector<int64_t>& tokens);
+
+class TokenTask final : public Task {
+ public:
+  // `vocab`: the model's; a token id at or beyond it fails the batch naming
+  // the file and the position.
+  TokenTask(const std::string& path, int64_t seq_len, int64_t vocab);
+  int64_t vocab() const override { return vocab_; }
+  int64_t seq_len() const override { return seq_len_; }
+  std::string describe() const override;
+  double chance_accuracy() const override { return 1.0 / static_cast<double>(vocab_); }
+  int64_t scored_per_sequence() const override { return seq_len_; }
+  Batch sample(uint64_t seed, int64_t step, int micro_batch, int data_rank,
+               int64_t batch) const override;
+
+ private:
+  std::shared_ptr<TokenFile> file_;
+  int64_t seq_len_;
+  int64_t vocab_;
+};
+
 }  // namespace tandem::train
