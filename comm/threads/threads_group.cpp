@@ -85,10 +85,14 @@ bool SharedGroup::run_jobs(Round& R, uint64_t use, int first) {
     }
     return true;
   };
-  if (!has_pieces(R.posts[first])) {
-    run(first, first, 0);
-    run(first, -1, 0);
-  }
+  // Rank `first`'s own job: its whole job (claimed through its own piece's
+  // flag) or its own piece, then its second phase; a closed one is skipped.
+  // No post is read before its job is claimed: once the round retires, the
+  // slot's next use rewrites the posts, and a driver that is not the
+  // poster's own thread (the comm thread: Note [Progress without a waiter])
+  // may still be here.
+  run(first, first, 0);
+  run(first, -1, 0);
   for (int source = 0; source < size; ++source) {
     for (int part = 0; part < R.parts; ++part) {
       // The parts of a piece open in order: when part `part` is closed for
