@@ -89,7 +89,8 @@ TEST_CASE("Llama-family checkpoints from transformers give its logits, loss and 
   }
 }
 
-TEST_CASE("a Llama checkpoint saved by tandem loads back bit for bit, sharded or not", "[llama]") {
+TEST_CASE("a Llama checkpoint saved by tandem loads back bit for bit, sharded or not, or as bf16",
+          "[llama]") {
   auto model = load_fixture("qwen2");
   for (int64_t shard_bytes : {int64_t{1} << 30, int64_t{4096}}) {
     INFO("max shard bytes " << shard_bytes);
@@ -111,6 +112,24 @@ TEST_CASE("a Llama checkpoint saved by tandem loads back bit for bit, sharded or
     }
     std::filesystem::remove_all(dir);
   }
+  // bf16 on disk: every weight comes back as its bf16 rounding.
+  const std::string dir = temp_dir("bf16");
+  save_hf_checkpoint(*model, dir, DType::BF16);
+  CHECK(load_safetensors(dir + "/model.safetensors").at("model.norm.weight").dtype() ==
+        DType::BF16);
+  Generator gen(4);
+  auto from_bf16 = nn::make<LlamaForCausalLM>(LlamaConfig::from_file(dir + "/config.json"), gen);
+  load_hf_checkpoint(*from_bf16, dir);
+  const auto a = model->named_parameters(), b = from_bf16->named_parameters();
+  bool rounded = a.size() == b.size(), changed = false;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    const Tensor want = ops::to(ops::to(a[i].second, DType::BF16), DType::F32);
+    rounded = rounded && ops::equal(b[i].second, want);
+    changed = changed || !ops::equal(b[i].second, a[i].second);
+  }
+  CHECK(rounded);
+  CHECK(changed);  // not vacuous: f32 weights do not all survive bf16
+  std::filesystem::remove_all(dir);
   // For tools/hf_fixtures.py --check-export: every fixture as tandem writes
   // it, for transformers to load and compare with its own reference.
   if (const char* out = std::getenv("TANDEM_LLAMA_EXPORT_DIR")) {
