@@ -215,7 +215,14 @@ struct Fiber {
 #ifdef TANDEM_EMU_TSAN
     if (tsan != nullptr) __tsan_destroy_fiber(tsan);
 #endif
-    if (mapping != nullptr) munmap(mapping, kStackBytes + kGuardBytes);
+    if (mapping == nullptr) return;
+#ifdef TANDEM_EMU_ASAN
+    // GCC's ASan keeps the shadow of memory it sees unmapped: the parked
+    // frames' redzones would poison whatever is mapped here next (a new
+    // thread's stack and TLS, where they read as stack-use-after-scope).
+    __asan_unpoison_memory_region(stack(), kStackBytes);
+#endif
+    munmap(mapping, kStackBytes + kGuardBytes);
   }
   char* stack() const {
     return static_cast<char*>(mapping) + kGuardBytes;
