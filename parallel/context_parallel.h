@@ -130,6 +130,11 @@ struct AsyncContextParallel {
              const DeviceMesh& mesh) const;
 };
 
+// Context parallelism on a whole attention layer: AsyncContextParallel from
+// its q/k/v projections when `async`, else `config` on its core.
+void apply_context_parallel(const nn::SelfAttention& attn, const ContextParallel& config,
+                            const DeviceMesh& mesh, bool async);
+
 // Global positions of the sequence pieces a rank holds, in local order: one
 // chunk of cp (chunk semantics, as DTensor), or (load balance) chunks r and
 // 2cp-1-r of 2cp, balanced so that lengths differ by at most one.
@@ -138,6 +143,10 @@ struct SeqPiece {
   int64_t length = 0;
 };
 std::vector<SeqPiece> sequence_pieces(int64_t seq_len, int cp, int rank, bool load_balance);
+
+// The global positions of the tokens `rank` holds, in its local order: what a
+// rotary layer needs under CP (nn::PositionScope, autograd/nn/rope.h).
+std::vector<int64_t> sequence_positions(int64_t seq_len, int cp, int rank, bool load_balance);
 
 // Every rank's length under shard_sequence() of `seq_len` tokens over cp
 // ranks: the layout a caller declares with SequenceLayoutScope on the CP mesh

@@ -367,6 +367,16 @@ void register_join_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
 
 }  // namespace
 
+void apply_context_parallel(const nn::SelfAttention& attn, const ContextParallel& config,
+                            const DeviceMesh& mesh, bool async) {
+  if (!async) {
+    config.apply(attn.core(), mesh);
+    return;
+  }
+  AsyncContextParallel a{.config = config, .head_size = attn.head_dim()};
+  a.apply(attn.core(), attn.q_proj(), attn.k_proj(), attn.v_proj(), mesh);
+}
+
 void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
                                  const std::shared_ptr<Module>& q_proj,
                                  const std::shared_ptr<Module>& k_proj,

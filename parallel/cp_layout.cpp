@@ -28,6 +28,19 @@ std::vector<SeqPiece> sequence_pieces(int64_t seq_len, int cp, int rank, bool lo
   return {piece(rank), piece(2 * cp - 1 - rank)};
 }
 
+std::vector<int64_t> sequence_positions(int64_t seq_len, int cp, int rank, bool load_balance) {
+  TANDEM_CHECK(seq_len >= 0 && cp > 0 && rank >= 0 && rank < cp,
+               "[parallel::sequence_positions] expected seq_len >= 0 and 0 <= rank < cp, got "
+               "seq_len {}, rank {}, cp {}",
+               seq_len, rank, cp);
+  std::vector<int64_t> out;
+  for (const SeqPiece& p : sequence_pieces(seq_len, cp, rank, load_balance)) {
+    for (int64_t k = 0; k < p.length; ++k)
+      out.push_back(p.start + k);
+  }
+  return out;
+}
+
 SequenceLayout shard_sequence_layout(int64_t seq_len, int cp, bool load_balance) {
   TANDEM_CHECK(seq_len >= 0 && cp > 0,
                "[parallel::shard_sequence_layout] expected seq_len >= 0 and cp > 0, got {} and {}",

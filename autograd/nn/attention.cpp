@@ -128,8 +128,7 @@ std::vector<Tensor> SelfAttention::forward(Args& args) {
     k = (*k_norm_)(k);
   }
   if (rope_) {
-    auto [cos, sin] =
-        rope_tables(*rope_, local_positions(S, "nn::SelfAttention"), x.dtype(), x.device());
+    auto [cos, sin] = rotary_tables(*rope_, S, x.dtype(), x.device(), "nn::SelfAttention");
     q = apply_rotary(q, cos, sin);
     k = apply_rotary(k, cos, sin);
   }

@@ -1,6 +1,7 @@
 #include "tandem/autograd/nn/rope.h"
 
 #include <cmath>
+#include <mutex>
 #include <numbers>
 
 #include "tandem/autograd/ops.h"
@@ -92,15 +93,53 @@ Tensor apply_rotary(const Tensor& x, const Tensor& cos, const Tensor& sin, int64
   return add(mul(x, c), mul(rotated, sn));
 }
 
+// The tables a scope's forwards computed, for each (options, dtype, device):
+// the forward and backward workers (and checkpoint re-runs) may share a
+// scope, hence the lock.
+struct PositionScope::Data {
+  struct Tables {
+    RotaryOptions options;
+    DType dtype;
+    Device device;
+    std::pair<Tensor, Tensor> cos_sin;
+  };
+  std::vector<int64_t> positions;
+  std::mutex mutex;
+  std::vector<Tables> tables;
+};
+
 namespace {
 const char kPositionsKey = 0;  // PositionScope's per-call data
+
+std::shared_ptr<PositionScope::Data> scope_data() {
+  // Only PositionScope stores under the key, and always a Data.
+  return std::const_pointer_cast<PositionScope::Data>(
+      std::static_pointer_cast<const PositionScope::Data>(find_call_data(&kPositionsKey)));
+}
+
+bool same_options(const RotaryOptions& a, const RotaryOptions& b) {
+  if (a.head_dim != b.head_dim || a.theta != b.theta ||
+      a.llama3.has_value() != b.llama3.has_value())
+    return false;
+  if (!a.llama3) return true;
+  const Llama3Scaling &x = *a.llama3, &y = *b.llama3;
+  return x.factor == y.factor && x.low_freq_factor == y.low_freq_factor &&
+         x.high_freq_factor == y.high_freq_factor &&
+         x.original_max_position_embeddings == y.original_max_position_embeddings;
+}
 }  // namespace
 
 PositionScope::PositionScope(std::vector<int64_t> positions)
-    : scope_(&kPositionsKey, std::make_shared<const std::vector<int64_t>>(std::move(positions))) {}
+    : scope_(&kPositionsKey, [&] {
+        auto data = std::make_shared<Data>();
+        data->positions = std::move(positions);
+        return data;
+      }()) {}
 
 std::shared_ptr<const std::vector<int64_t>> scoped_positions() {
-  return std::static_pointer_cast<const std::vector<int64_t>>(find_call_data(&kPositionsKey));
+  std::shared_ptr<PositionScope::Data> data = scope_data();
+  if (!data) return nullptr;
+  return {data, &data->positions};  // aliasing: keeps the scope's data alive
 }
 
 std::vector<int64_t> local_positions(int64_t length, const char* who) {
@@ -111,6 +150,20 @@ std::vector<int64_t> local_positions(int64_t length, const char* who) {
                "got {}",
                who, length, scoped->size());
   return *scoped;
+}
+
+std::pair<Tensor, Tensor> rotary_tables(const RotaryOptions& options, int64_t length, DType dtype,
+                                        Device device, const char* who) {
+  std::shared_ptr<PositionScope::Data> data = scope_data();
+  if (!data) return rope_tables(options, position_range(0, length), dtype, device);
+  const std::vector<int64_t> positions = local_positions(length, who);  // checks the length
+  std::lock_guard<std::mutex> lock(data->mutex);
+  for (const PositionScope::Data::Tables& t : data->tables) {
+    if (same_options(t.options, options) && t.dtype == dtype && t.device == device)
+      return t.cos_sin;
+  }
+  data->tables.push_back({options, dtype, device, rope_tables(options, positions, dtype, device)});
+  return data->tables.back().cos_sin;
 }
 
 std::vector<int64_t> position_range(int64_t start, int64_t length) {

@@ -15,8 +15,10 @@
 // (context parallelism, with or without the head-tail load balance, or a
 // packed document that starts mid-sequence) passes the positions of the
 // tokens it holds, in local order: the tables are data, not a function of
-// the local index. parallel/context_parallel.h's sequence_pieces() gives
-// them for every CP layout; the rotation needs no communication.
+// the local index. parallel/context_parallel.h's sequence_positions() gives
+// them for every CP layout; the rotation needs no communication. A
+// PositionScope keeps the tables its forwards computed, so the L layers of a
+// model compute them once per step, not L times.
 //
 // Tables are computed in f64 and rounded once to the dtype asked for, so
 // they do not lose precision at large positions (the reference computes
@@ -25,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -78,6 +81,7 @@ std::vector<int64_t> position_range(int64_t start, int64_t length);
 class PositionScope {
  public:
   explicit PositionScope(std::vector<int64_t> positions);
+  struct Data;
 
  private:
   CallDataScope scope_;
@@ -85,6 +89,12 @@ class PositionScope {
 
 // The positions a PositionScope declares on this thread; null when none.
 std::shared_ptr<const std::vector<int64_t>> scoped_positions();
+
+// rope_tables() for a local sequence of `length` tokens at local_positions():
+// computed once per PositionScope for each options, dtype and device, and
+// every call without a scope. `who` names the caller in the error.
+std::pair<Tensor, Tensor> rotary_tables(const RotaryOptions& options, int64_t length, DType dtype,
+                                        Device device, const char* who);
 
 // The positions of a local sequence of `length` tokens: the scope's, checked
 // to hold `length` of them, or 0 .. length-1. `who` names the caller in the

@@ -46,8 +46,10 @@ namespace tandem {
 //   wait() (so the waiting ranks do the copies, as in the naive version),
 //   Work::is_completed() (without waiting), the comm thread for a Work no
 //   thread of this backend waits on (a wrapper's, or one with a completion
-//   callback), and the group's destructor. A driver whose own jobs are taken
-//   runs a late peer's instead of sleeping until that peer is scheduled.
+//   callback) and for a Work asked to progress_in_background() (an async
+//   collective whose launcher computes meanwhile: Note [Progress without a
+//   waiter] in parallel/collectives.cpp), and the group's destructor. A driver whose own jobs are
+//   taken runs a late peer's instead of sleeping until that peer is scheduled.
 // - The thread that finishes the last job *retires* the round: it finishes
 //   every member's Work (no input is read any more), releases the posts and
 //   frees the ring slot.

@@ -268,6 +268,35 @@ TEST_CASE("a PositionScope places the tokens: a shift keeps the output, a shuffl
   CHECK_THROWS_WITH((*attn)(x), Contains("hold the 6 positions of the local sequence, got 3"));
 }
 
+TEST_CASE("a PositionScope computes each rotary table once and keeps it while it lives", "[rope]") {
+  const nn::RotaryOptions a{.head_dim = 8, .theta = 100.0};
+  nn::RotaryOptions b = a;
+  b.llama3 = nn::Llama3Scaling{.original_max_position_embeddings = 16};
+  const std::vector<int64_t> positions = {7, 3, 9, 0};
+  nn::PositionScope scope(positions);
+  auto [c1, s1] = nn::rotary_tables(a, 4, DType::F32, Device::cpu(), "test");
+  auto [c2, s2] = nn::rotary_tables(a, 4, DType::F32, Device::cpu(), "test");
+  CHECK(c1.raw_data() == c2.raw_data());  // the same table, not recomputed
+  CHECK(s1.raw_data() == s2.raw_data());
+  auto [want_c, want_s] = nn::rope_tables(a, positions);
+  CHECK(ops::equal(c1, want_c));
+  CHECK(ops::equal(s1, want_s));
+  // Other options or another dtype: their own tables.
+  auto [cb, sb] = nn::rotary_tables(b, 4, DType::F32, Device::cpu(), "test");
+  CHECK(cb.raw_data() != c1.raw_data());
+  CHECK(ops::equal(cb, nn::rope_tables(b, positions).first));
+  auto [cd, sd] = nn::rotary_tables(a, 4, DType::F64, Device::cpu(), "test");
+  CHECK(cd.dtype() == DType::F64);
+  CHECK(ops::equal(cd, nn::rope_tables(a, positions, DType::F64).first));
+  CHECK_THROWS_WITH(nn::rotary_tables(a, 5, DType::F32, Device::cpu(), "test"),
+                    Contains("[test] expected the PositionScope to hold the 5 positions"));
+  {
+    nn::PositionScope inner(nn::position_range(0, 4));  // the innermost scope's positions
+    CHECK(ops::equal(nn::rotary_tables(a, 4, DType::F32, Device::cpu(), "test").first,
+                     nn::rope_tables(a, nn::position_range(0, 4)).first));
+  }
+}
+
 TEST_CASE("SelfAttention refuses a rotary head_dim other than its own", "[rope][layers]") {
   Generator gen(6);
   nn::SelfAttentionOptions o = qwen_like();

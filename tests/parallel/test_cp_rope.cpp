@@ -1,7 +1,7 @@
 // Rotary embeddings under context parallelism (Note [Rotary positions]): a
 // SelfAttention with RoPE (and QK-norm, biases, grouped-query heads) whose
 // ranks each declare the global positions of the tokens they hold, from
-// sequence_pieces(), equals the single-rank layer on the whole sequence,
+// sequence_positions(), equals the single-rank layer on the whole sequence,
 // output and every gradient, in every CP mode with and without the head-tail
 // load balance, sync and async (whose collectives fall back to the
 // synchronous ones: the rotation sits between projection and attention).
@@ -37,16 +37,6 @@ nn::SelfAttentionOptions llama_like() {
           .qkv_bias = true,
           .qk_norm = true,
           .rope = nn::RotaryOptions{.theta = 100.0}};
-}
-
-// This rank's global positions in local order.
-std::vector<int64_t> rank_positions(int64_t seq, int cp, int rank, bool load_balance) {
-  std::vector<int64_t> out;
-  for (const SeqPiece& p : sequence_pieces(seq, cp, rank, load_balance)) {
-    const std::vector<int64_t> piece = nn::position_range(p.start, p.length);
-    out.insert(out.end(), piece.begin(), piece.end());
-  }
-  return out;
 }
 
 }  // namespace
@@ -88,20 +78,13 @@ TEST_CASE("a rotary attention layer under every CP mode equals the single-rank l
       config.ulysses_degree = c.ds;
       config.load_balance = c.load_balance;
       config.mode = c.ring ? CPMode::Ring : CPMode::Auto;
-      if (c.async) {
-        AsyncContextParallel async;
-        async.config = config;
-        async.head_size = layer->head_dim();
-        async.apply(layer->core(), layer->q_proj(), layer->k_proj(), layer->v_proj(), mesh);
-      } else {
-        config.apply(layer->core(), mesh);
-      }
+      apply_context_parallel(*layer, config, mesh, c.async);
       auto shard = [&](const Tensor& t) { return shard_sequence(t, 1, c.cp, r, c.load_balance); };
       Tensor xl = test::on_test_device(shard(x));
       set_requires_grad(xl);
       Tensor out;
       {
-        nn::PositionScope positions(rank_positions(c.seq, c.cp, r, c.load_balance));
+        nn::PositionScope positions(sequence_positions(c.seq, c.cp, r, c.load_balance));
         out = (*layer)(xl);
       }
       backward(sum(mul(out, test::on_test_device(shard(w)))));

@@ -75,14 +75,7 @@ void check_cp(const CPCase& c, bool causal) {
     config.ulysses_degree = c.ds;
     config.load_balance = c.load_balance;
     config.mode = c.ring ? CPMode::Ring : CPMode::Auto;
-    if (c.async) {
-      AsyncContextParallel a;
-      a.config = config;
-      a.head_size = head;
-      a.apply(attn->core(), attn->q_proj(), attn->k_proj(), attn->v_proj(), mesh);
-    } else {
-      config.apply(attn->core(), mesh);
-    }
+    apply_context_parallel(*attn, config, mesh, c.async);
     auto shard = [&](const Tensor& t) { return shard_sequence(t, 1, c.cp, r, c.load_balance); };
     Tensor xl = test::on_test_device(shard(x));
     if (xl.shape()[1] == 0 && r == c.cp - 1) empty_ranks = 1;  // the case is what it says

@@ -161,12 +161,7 @@ TEST_CASE("a Llama model under context parallelism gives the single-rank logits"
       cp.mode = l.ring ? CPMode::Ring : CPMode::Auto;
       for (int64_t i = 0; i < model->config().num_hidden_layers; ++i)
         cp.apply(model->model()->layer(i)->self_attn()->core(), mesh);
-      std::vector<int64_t> positions;
-      for (const SeqPiece& p : sequence_pieces(S, 2, r, l.load_balance)) {
-        for (int64_t k = 0; k < p.length; ++k)
-          positions.push_back(p.start + k);
-      }
-      nn::PositionScope scope(positions);
+      nn::PositionScope scope(sequence_positions(S, 2, r, l.load_balance));
       Tensor logits = (*model)(shard_sequence(tokens, 1, 2, r, l.load_balance));
       errors[r] = compare(logits, shard_sequence(want, 1, 2, r, l.load_balance), 1e-5, 1e-5);
     });

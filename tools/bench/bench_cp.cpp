@@ -177,14 +177,7 @@ std::shared_ptr<nn::SelfAttention> make_layer(const Size& size, const Mode& mode
   config.ulysses_degree = mode.ds;
   config.load_balance = mode.load_balance;
   config.mode = mode.ring ? CPMode::Ring : CPMode::Auto;
-  if (mode.async) {
-    AsyncContextParallel async;
-    async.config = config;
-    async.head_size = size.dim / size.heads;
-    async.apply(layer->core(), layer->q_proj(), layer->k_proj(), layer->v_proj(), mesh);
-  } else {
-    config.apply(layer->core(), mesh);
-  }
+  apply_context_parallel(*layer, config, mesh, mode.async);
   return layer;
 }
 
@@ -208,6 +201,37 @@ double weight_state_bytes(nn::SelfAttention& layer) {
   for (const Tensor& p : layer.parameters())
     bytes += 2.0 * static_cast<double>(p.nbytes());
   return bytes;
+}
+
+std::vector<const Mode*> selected_modes(const std::string& filter) {
+  std::vector<const Mode*> out;
+  auto wanted = [&](const Mode& m) {
+    if (std::string(m.name).find(filter) != std::string::npos) return true;
+    for (const Mode& a : kModes) {  // the sync side of a selected async mode
+      if (a.sync_of != nullptr && a.sync_of == std::string(m.name) &&
+          std::string(a.name).find(filter) != std::string::npos)
+        return true;
+    }
+    return false;
+  };
+  for (const Mode& m : kModes) {
+    if (wanted(m)) out.push_back(&m);
+  }
+  return out;
+}
+
+std::vector<std::vector<const Mode*>> mode_groups(const std::vector<const Mode*>& modes,
+                                                  bool sync_alone) {
+  std::vector<std::vector<const Mode*>> groups;
+  for (const Mode* m : modes) {
+    if (m->async) continue;  // joins its sync counterpart below
+    std::vector<const Mode*> g = {m};
+    for (const Mode* a : modes) {
+      if (a->async && a->sync_of == std::string(m->name)) g.push_back(a);
+    }
+    if (g.size() > 1 || sync_alone) groups.push_back(std::move(g));
+  }
+  return groups;
 }
 
 }  // namespace cp
@@ -619,38 +643,6 @@ void add_rows(Report& report, const std::vector<Measured>& all) {
   }
 }
 
-std::vector<const Mode*> selected_modes(const Options& options) {
-  std::vector<const Mode*> out;
-  auto wanted = [&](const Mode& m) {
-    if (std::string(m.name).find(options.filter) != std::string::npos) return true;
-    for (const Mode& a : kModes) {  // the sync side of a selected async mode
-      if (a.sync_of != nullptr && a.sync_of == std::string(m.name) &&
-          std::string(a.name).find(options.filter) != std::string::npos)
-        return true;
-    }
-    return false;
-  };
-  for (const Mode& m : kModes) {
-    if (wanted(m)) out.push_back(&m);
-  }
-  return out;
-}
-
-// Modes measured together: each async mode with its sync counterpart; the
-// others alone. In kModes order of each group's first mode.
-std::vector<std::vector<const Mode*>> mode_groups(const std::vector<const Mode*>& modes) {
-  std::vector<std::vector<const Mode*>> groups;
-  for (const Mode* m : modes) {
-    if (m->async) continue;  // joins its sync counterpart below
-    std::vector<const Mode*> g = {m};
-    for (const Mode* a : modes) {
-      if (a->async && a->sync_of == std::string(m->name)) g.push_back(a);
-    }
-    groups.push_back(std::move(g));
-  }
-  return groups;
-}
-
 }  // namespace
 
 int run_cp(const Options& options) {
@@ -658,7 +650,7 @@ int run_cp(const Options& options) {
   Report report("cp", options, config);
   ops::set_num_threads(1);  // one BLAS thread per rank thread
   const int pairs = options.quick ? 3 : 7;
-  std::vector<const Mode*> modes = selected_modes(options);
+  std::vector<const Mode*> modes = selected_modes(options.filter);
   // Not the interleaved timer of Note [Benchmark timing]: whole steps in
   // adjacent pairs (Note [CP benchmark method]).
   report.set("timing",
@@ -756,7 +748,7 @@ int run_cp(const Options& options) {
                          sample_median(single.step_s) * 1e3, single.peak_bytes / kMiB));
 
   std::vector<Measured> measured;
-  for (const std::vector<const Mode*>& group : mode_groups(modes)) {
+  for (const std::vector<const Mode*>& group : mode_groups(modes, true)) {
     std::vector<ModeRun> runs = run_group(size, group, link.model, x, w, pairs);
     for (size_t i = 0; i < group.size(); ++i)
       measured.push_back({group[i], std::move(runs[i])});

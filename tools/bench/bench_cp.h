@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -40,6 +41,15 @@ struct Mode {
 // Every mode, sync ones first, each async one after the sync mode it is
 // compared with.
 std::span<const Mode> all_modes();
+
+// The modes whose name contains `filter`, with the sync side of every
+// selected async mode, in all_modes() order.
+std::vector<const Mode*> selected_modes(const std::string& filter);
+
+// Modes measured together: each sync mode with the async variants compared
+// with it; with `sync_alone`, sync modes without one as groups of their own.
+std::vector<std::vector<const Mode*>> mode_groups(const std::vector<const Mode*>& modes,
+                                                  bool sync_alone);
 
 struct Size {
   int64_t seq = 0, dim = 0, heads = 0;

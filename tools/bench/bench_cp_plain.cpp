@@ -110,22 +110,6 @@ void run_modes(const Ranks& ranks, const Size& size, const std::vector<const Mod
   }
 }
 
-// The selected modes in measuring groups: each sync mode with the async
-// variants compared with it; with `sync_alone`, sync modes without one too.
-std::vector<std::vector<const Mode*>> plain_groups(const std::vector<const Mode*>& modes,
-                                                   bool sync_alone) {
-  std::vector<std::vector<const Mode*>> groups;
-  for (const Mode* m : modes) {
-    if (m->async) continue;
-    std::vector<const Mode*> g = {m};
-    for (const Mode* a : modes) {
-      if (a->async && a->sync_of == std::string(m->name)) g.push_back(a);
-    }
-    if (g.size() > 1 || sync_alone) groups.push_back(std::move(g));
-  }
-  return groups;
-}
-
 const PlainRun* find_run(const std::vector<PlainRun>& runs, const std::string& name) {
   for (const PlainRun& r : runs) {
     if (name == r.mode->name) return &r;
@@ -206,7 +190,7 @@ void report_plain(Report& report, const std::string& backend, const std::vector<
 void run_plain_threads(Report& report, const Size& size, const std::vector<const Mode*>& modes,
                        const Tensor& x, const Tensor& w, int pairs) {
   std::vector<PlainRun> all;
-  for (const std::vector<const Mode*>& group : plain_groups(modes, false)) {
+  for (const std::vector<const Mode*>& group : mode_groups(modes, false)) {
     std::vector<PlainRun> runs(group.size());
     std::vector<PlainRun> leader_runs;
     for (size_t i = 0; i < group.size(); ++i)
@@ -257,20 +241,7 @@ int run_cp_mpi(const Options& options) {
   TANDEM_CHECK(size.dim % size.heads == 0 && size.heads % kRanks == 0 && size.seq >= 2 * kRanks,
                "[bench::cp] expected heads dividing d and divisible by {}, S >= {}; got {}", kRanks,
                2 * kRanks, size.str());
-  std::vector<const Mode*> modes;
-  for (const Mode& m : all_modes()) {
-    if (std::string(m.name).find(options.filter) != std::string::npos) modes.push_back(&m);
-  }
-  for (const Mode& m : all_modes()) {  // the sync side of a selected async mode
-    if (!m.async && std::find(modes.begin(), modes.end(), &m) == modes.end()) {
-      for (const Mode* a : modes) {
-        if (a->async && a->sync_of == std::string(m.name)) {
-          modes.push_back(&m);
-          break;
-        }
-      }
-    }
-  }
+  const std::vector<const Mode*> modes = selected_modes(options.filter);
 
   Generator gen(7);  // the same global input in every process
   Tensor x = ops::randn({kBatch, size.seq, size.dim}, gen);
@@ -280,7 +251,7 @@ int run_cp_mpi(const Options& options) {
   AllReduceOptions max;
   max.op = RedOp::Max;
   std::vector<PlainRun> all;
-  for (const std::vector<const Mode*>& group : plain_groups(modes, true)) {
+  for (const std::vector<const Mode*>& group : mode_groups(modes, true)) {
     std::vector<PlainRun> runs(group.size());
     for (size_t i = 0; i < group.size(); ++i)
       runs[i].mode = group[i];

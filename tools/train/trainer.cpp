@@ -124,15 +124,8 @@ void build(Rank& r) {
                                                 : 1;
     if (o.cp_mode == "ring") cp.mode = CPMode::Ring;
     const DeviceMesh cp_mesh = r.mesh.slice("cp");
-    for (int64_t i = 0; i < r.model->config().layers; ++i) {
-      const std::shared_ptr<nn::SelfAttention> attn = r.model->block(i)->attn();
-      if (cp_async(o)) {
-        AsyncContextParallel async{.config = cp, .head_size = attn->head_dim()};
-        async.apply(attn->core(), attn->q_proj(), attn->k_proj(), attn->v_proj(), cp_mesh);
-      } else {
-        cp.apply(attn->core(), cp_mesh);
-      }
-    }
+    for (int64_t i = 0; i < r.model->config().layers; ++i)
+      apply_context_parallel(*r.model->block(i)->attn(), cp, cp_mesh, cp_async(o));
   }
   r.pipe = std::make_unique<DualPipe>(r.model, r.mesh.slice("ep"), r.device);
   // A failure on either worker aborts every group this rank's peers may be
