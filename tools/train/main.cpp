@@ -27,7 +27,8 @@ int main(int argc, char** argv) {
   }
   try {
     if (command.kind == Command::Kind::Export) {
-      export_checkpoint(command.export_from, command.export_to);
+      export_checkpoint(command.export_from, command.export_to,
+                        command.export_dtype == "bf16" ? tandem::DType::BF16 : tandem::DType::F32);
       fmt::print("tandem-train: wrote '{}' from '{}'\n", command.export_to, command.export_from);
       return 0;
     }

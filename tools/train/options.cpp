@@ -11,9 +11,10 @@ Command parse_command_line(const std::vector<std::string>& args) {
   Command c;
   TrainOptions& o = c.options;
   CLI::App app{
-      "tandem-train: trains a small mixture-of-experts language model with data, tensor, "
-      "context and expert parallelism and the dual-pipe overlap (defaults: 4 rank threads, "
-      "cp 2 x ep 2, overlap on, the embedded associative-recall task)",
+      "tandem-train: trains a small mixture-of-experts language model, or a Llama-family model "
+      "from a Hugging Face config and checkpoint, with data, tensor, context and expert "
+      "parallelism and the dual-pipe overlap (defaults: 4 rank threads, cp 2 x ep 2, overlap "
+      "on (llama: ep 1, no overlap), the embedded associative-recall task)",
       "tandem-train"};
   app.set_help_all_flag("--help-all", "every option, grouped");
 
@@ -61,6 +62,15 @@ Command parse_command_line(const std::vector<std::string>& args) {
                "dual-pipe schedule: backward of micro-batch i with forward of i+1 (default on)")
       ->group(layout);
 
+  app.add_option("--model", o.model_type,
+                 "moe (the small mixture-of-experts model) or llama (a Llama-family model from "
+                 "--config)")
+      ->check(CLI::IsMember({"moe", "llama"}))
+      ->group(model);
+  app.add_option("--config", o.llama_config, "llama: a Hugging Face config.json")->group(model);
+  app.add_option("--init-from", o.init_from,
+                 "llama: start from this Hugging Face checkpoint directory's weights")
+      ->group(model);
   app.add_option("--d-model", o.model.d_model, "model width")
       ->check(CLI::Range(1, 1 << 16))
       ->group(model);
@@ -91,9 +101,11 @@ Command parse_command_line(const std::vector<std::string>& args) {
   app.add_option("--values", o.recall.values, "recall task: value vocabulary")
       ->check(CLI::Range(1, 1 << 20))
       ->group(model);
-  app.add_option("--data", o.data, "train a byte-level model on this text file instead")
+  app.add_option("--data", o.data,
+                 "moe: train a byte-level model on this text file instead; llama: the token file "
+                 "(llm.c format) to train on")
       ->group(model);
-  app.add_option("--seq-len", o.seq_len, "with --data: bytes per sequence")
+  app.add_option("--seq-len", o.seq_len, "with --data: tokens (bytes) per sequence")
       ->check(CLI::Range(2, 1 << 20))
       ->group(model);
 
@@ -155,9 +167,16 @@ Command parse_command_line(const std::vector<std::string>& args) {
       ->group(output);
 
   CLI::App* exp = app.add_subcommand(
-      "export", "write a checkpoint's model as one safetensors file of whole tensors");
+      "export",
+      "write a checkpoint's model whole: a llama model as a Hugging Face checkpoint directory, "
+      "the moe model as one safetensors file");
   exp->add_option("checkpoint", c.export_from, "checkpoint root or step directory")->required();
-  exp->add_option("out", c.export_to, "output .safetensors file")->required();
+  exp->add_option("out", c.export_to,
+                  "llama: output directory (config.json, model.safetensors); moe: output "
+                  ".safetensors file")
+      ->required();
+  exp->add_option("--dtype", c.export_dtype, "llama: weights as f32 or bf16")
+      ->check(CLI::IsMember({"f32", "bf16"}));
 
   std::vector<std::string> reversed(args.rbegin(), args.rend() - (args.empty() ? 0 : 1));
   try {
@@ -174,6 +193,11 @@ Command parse_command_line(const std::vector<std::string>& args) {
     TANDEM_FAIL("{} (run with --help for the options)", e.what());
   }
   if (*exp) c.kind = Command::Kind::Export;
+  // A dense model has no experts to place: its default layout has no ep.
+  // Nor expert all-to-alls for the dual-pipe overlap to pair.
+  if (o.model_type == "llama" && app.count("--ep") == 0) o.ep = 1;
+  if (o.model_type == "llama" && app.count("--overlap") + app.count("--no-overlap") == 0)
+    o.overlap = false;
   return c;
 }
 

@@ -13,6 +13,7 @@ struct Command {
   enum class Kind { Train, Export, Help } kind = Kind::Train;
   TrainOptions options;
   std::string export_from, export_to;
+  std::string export_dtype = "f32";
   std::string help;  // the text to print for --help
 };
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -32,6 +33,7 @@
 #include "tandem/runtime/trace.h"
 #include "tandem/tensor/io/safetensors.h"
 #include "tools/train/progress.h"
+#include "tools/train/train_model.h"
 
 namespace tandem::train {
 
@@ -44,13 +46,6 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-ModelConfig model_config(const TrainOptions& o, const Task& task) {
-  ModelConfig m = o.model;
-  m.vocab = task.vocab();
-  m.max_seq = task.seq_len();
-  return m;
-}
-
 // Everything one rank builds once.
 struct Rank {
   const TrainOptions& options;
@@ -59,8 +54,9 @@ struct Rank {
   Device device = Device::cpu();
   DeviceMesh mesh;
   int dp_rank = 0, ep_rank = 0, cp_rank = 0;
-  std::shared_ptr<MoELanguageModel> model;
-  std::unique_ptr<DualPipe> pipe;
+  std::unique_ptr<TrainModel> model;
+  std::unique_ptr<DualPipe> pipe;              // a model with experts
+  std::unique_ptr<DualPipeSchedule> schedule;  // a dense one: sequential
   optim::NamedParams params;    // this rank's pieces, placed (Note [Parameter placements])
   std::vector<Tensor> tensors;  // the same, without names
   std::unique_ptr<optim::AdamW> optimizer;
@@ -74,8 +70,12 @@ struct Rank {
 // Whether the CP layers are AsyncContextParallel's (--cp-async on or auto):
 // Ulysses, all-gather KV and hybrid. Ring keeps its transfers in flight
 // behind each block's compute in any case (Note [Ring backward in flight]).
+// The llama model rotates q and k between projection and attention, where
+// the async path would have them in flight (Note [Async CP fallback]): auto
+// is off there, and validate() refuses on.
 bool cp_async(const TrainOptions& o) {
-  return o.cp > 1 && o.cp_mode != "ring" && o.cp_async != "off";
+  return o.cp > 1 && o.cp_mode != "ring" && o.cp_async != "off" &&
+         (o.model_type != "llama" || o.cp_async == "on");
 }
 
 std::string layout_string(const TrainOptions& o, int world) {
@@ -102,20 +102,11 @@ void build(Rank& r) {
 
   // The same initial weights on every rank; the styles then keep each rank's part.
   Generator init(o.seed);
-  r.model = std::make_shared<MoELanguageModel>(model_config(o, r.task), init);
-  if (!r.device.is_cpu()) r.model->to(r.device);
+  r.model = make_train_model(o, r.task, init);
+  const std::shared_ptr<Module> module = r.model->module();
+  if (!r.device.is_cpu()) module->to(r.device);
 
-  if (o.tp > 1) {
-    ParallelizePlan plan;
-    for (int64_t i = 0; i < r.model->config().layers; ++i) {
-      const std::string a = fmt::format("blocks.{}.attn.", i);
-      plan[a + "q_proj"] = colwise();
-      plan[a + "k_proj"] = colwise();
-      plan[a + "v_proj"] = colwise();
-      plan[a + "o_proj"] = rowwise();
-    }
-    parallelize_module(r.model, r.mesh.slice("tp"), plan);
-  }
+  if (o.tp > 1) parallelize_module(module, r.mesh.slice("tp"), r.model->tp_plan());
   if (o.cp > 1) {
     ContextParallel cp;
     cp.load_balance = o.load_balance;
@@ -124,15 +115,20 @@ void build(Rank& r) {
                                                 : 1;
     if (o.cp_mode == "ring") cp.mode = CPMode::Ring;
     const DeviceMesh cp_mesh = r.mesh.slice("cp");
-    for (int64_t i = 0; i < r.model->config().layers; ++i)
-      apply_context_parallel(*r.model->block(i)->attn(), cp, cp_mesh, cp_async(o));
+    for (const std::shared_ptr<nn::SelfAttention>& attn : r.model->attention_layers())
+      apply_context_parallel(*attn, cp, cp_mesh, cp_async(o));
   }
-  r.pipe = std::make_unique<DualPipe>(r.model, r.mesh.slice("ep"), r.device);
   // A failure on either worker aborts every group this rank's peers may be
   // waiting in, so they stop at once with an error naming this rank.
-  r.pipe->abort_on_failure(r.mesh);
+  if (r.model->has_experts()) {
+    r.pipe = std::make_unique<DualPipe>(module, r.mesh.slice("ep"), r.device);
+    r.pipe->abort_on_failure(r.mesh);
+  } else {
+    r.schedule = std::make_unique<DualPipeSchedule>(std::make_shared<HookCoordinator>(), r.device);
+    r.schedule->abort_on_failure(r.mesh);
+  }
 
-  r.params = r.model->named_parameters();
+  r.params = module->named_parameters();
   for (const auto& [name, p] : r.params)
     r.tensors.push_back(p);
   r.optimizer = std::make_unique<optim::AdamW>(
@@ -187,10 +183,7 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
       static_cast<double>(o.batch * r.task.scored_per_sequence() * o.dp * o.ep);
   const double replicas = static_cast<double>(o.dp * o.ep * o.cp);
   std::vector<MicroStats> stats(static_cast<size_t>(o.micro_batches));
-  Tensor positions_full = ops::reshape(ops::arange(0, static_cast<double>(S)), Shape{1, S});
-  Tensor positions =
-      ops::reshape(shard_sequence(positions_full, 1, o.cp, r.cp_rank, o.load_balance), Shape{-1});
-  if (!r.device.is_cpu()) positions = ops::to(positions, r.device);
+  const std::vector<int64_t> positions = sequence_positions(S, o.cp, r.cp_rank, o.load_balance);
 
   auto forward = [&](int i) {
     if (i == 1) {
@@ -205,9 +198,7 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
       tokens = ops::to(tokens, r.device);
       targets = ops::to(targets, r.device);
     }
-    Args args{tokens};
-    args.named["positions"] = positions;
-    const auto [logits, aux_loss] = nn::call_with_aux(*r.model, args);
+    const auto [logits, aux_loss] = r.model->forward(tokens, positions);
     const int64_t V = logits.shape()[2];
     Tensor flat_logits = reshape(logits, Shape{-1, V});
     Tensor flat_targets = ops::reshape(targets, Shape{-1});
@@ -228,7 +219,8 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
       // graph must still reach every layer, whose backward is collective.
       ce_sum = mul(sum(flat_logits), 0.0);
     }
-    Tensor loss = add(div(ce_sum, scored_global), mul(aux_loss, o.aux_weight / replicas));
+    Tensor loss = div(ce_sum, scored_global);
+    if (aux_loss.defined()) loss = add(loss, mul(aux_loss, o.aux_weight / replicas));
     loss = div(loss, static_cast<double>(o.micro_batches));
     if (i == 0 && fault.kind == "backward") {
       register_hook(loss, [&r, &fault, step](const Tensor& g) {
@@ -238,7 +230,11 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
     }
     return loss;
   };
-  r.pipe->run(o.micro_batches, forward, o.overlap);
+  if (r.pipe) {
+    r.pipe->run(o.micro_batches, forward, o.overlap);
+  } else {
+    r.schedule->run(o.micro_batches, forward, false);  // validate() refused --overlap
+  }
   maybe_fault(r, fault, step, "step-end");
 
   // Note [Training layout]: summed over the data ranks each parameter is
@@ -302,15 +298,7 @@ void save(Rank& r, int64_t next_step) {
   std::map<std::string, std::string> meta = {
       {"next_step", std::to_string(next_step)},
       {"layout", Json({{"dp", o.dp}, {"ep", o.ep}, {"cp", o.cp}, {"tp", o.tp}}).dump()},
-      {"model", Json({{"vocab", r.model->config().vocab},
-                      {"d_model", o.model.d_model},
-                      {"layers", o.model.layers},
-                      {"heads", o.model.heads},
-                      {"hidden", o.model.hidden},
-                      {"experts", o.model.experts},
-                      {"top_k", o.model.top_k},
-                      {"max_seq", r.model->config().max_seq}})
-                    .dump()},
+      {"model", r.model->identity().dump()},
       {"seed", std::to_string(o.seed)}};
   save_checkpoint(o.save_dir, next_step, pieces, meta, r.world, o.keep);
 }
@@ -325,10 +313,7 @@ int64_t resume(Rank& r) {
                "metadata",
                info.path);
   Json saved = Json::parse(model_it->second);
-  Json wanted = {{"vocab", r.model->config().vocab}, {"d_model", o.model.d_model},
-                 {"layers", o.model.layers},         {"heads", o.model.heads},
-                 {"hidden", o.model.hidden},         {"experts", o.model.experts},
-                 {"top_k", o.model.top_k},           {"max_seq", r.model->config().max_seq}};
+  Json wanted = r.model->identity();
   TANDEM_CHECK(saved == wanted,
                "[train] the checkpoint '{}' holds a different model: expected {}, got {}",
                info.path, wanted.dump(), saved.dump());
@@ -392,13 +377,10 @@ void run_rank(const TrainOptions& o, const Task& task, ProcessGroupPtr world, st
     progress->message("tandem-train: " + task.describe());
     progress->message("  layout: " + layout_string(o, r.world->size()));
     int64_t n = 0;
-    for (auto& [name, p] : r.model->named_parameters())
+    for (auto& [name, p] : r.params)
       n += p.numel();
-    progress->message(fmt::format(
-        "  model: {} layers, d_model {}, {} heads, {} experts (top-{}) of hidden {}; rank 0 "
-        "holds {} parameters",
-        o.model.layers, o.model.d_model, o.model.heads, o.model.experts, o.model.top_k,
-        o.model.hidden, n));
+    progress->message(
+        fmt::format("  model: {}; rank 0 holds {} parameters", r.model->describe(), n));
   }
   int64_t first = 0;
   if (!o.resume.empty()) {
@@ -491,6 +473,12 @@ Fault parse_fault(const std::string& spec) {
 }
 
 std::unique_ptr<Task> make_task(const TrainOptions& o) {
+  if (o.model_type == "llama") {
+    TANDEM_CHECK(!o.data.empty(),
+                 "[train] --model llama trains on a token file: expected --data TOKENS.BIN "
+                 "(tools/tokenize_text.py writes one)");
+    return std::make_unique<TokenTask>(o.data, o.seq_len, llama_config(o).vocab_size);
+  }
   if (!o.data.empty()) return std::make_unique<TextTask>(o.data, o.seq_len);
   return std::make_unique<RecallTask>(o.recall);
 }
@@ -516,24 +504,45 @@ void validate(const TrainOptions& o, int world_size) {
   TANDEM_CHECK(o.cp_mode == "ulysses" || o.cp_mode == "allgather" || o.cp_mode == "hybrid" ||
                    o.cp_mode == "ring",
                "[train] expected --cp-mode ulysses|allgather|hybrid|ring, got '{}'", o.cp_mode);
-  const ModelConfig& m = o.model;
-  TANDEM_CHECK(m.d_model > 0 && m.layers > 0 && m.heads > 0 && m.hidden > 0,
-               "[train] expected positive --d-model, --layers, --heads, --hidden, got {}, {}, {}, "
-               "{}",
-               m.d_model, m.layers, m.heads, m.hidden);
-  TANDEM_CHECK(m.d_model % m.heads == 0, "[train] expected --heads {} to divide --d-model {}",
-               m.heads, m.d_model);
-  TANDEM_CHECK(m.heads % o.tp == 0, "[train] expected --tp {} to divide --heads {}", o.tp, m.heads);
-  TANDEM_CHECK(m.experts >= 1 && m.experts % o.ep == 0,
-               "[train] expected --ep {} to divide --experts {}", o.ep, m.experts);
-  TANDEM_CHECK(m.top_k >= 1 && m.top_k <= m.experts,
-               "[train] expected 1 <= --top-k <= --experts {}, got {}", m.experts, m.top_k);
-  const int64_t local_heads = m.heads / o.tp;
+  TANDEM_CHECK(o.model_type == "moe" || o.model_type == "llama",
+               "[train] expected --model moe|llama, got '{}'", o.model_type);
+  TANDEM_CHECK(o.model_type == "llama" || (o.llama_config.empty() && o.init_from.empty()),
+               "[train] --config and --init-from apply to --model llama, got --model {}",
+               o.model_type);
+  int64_t heads = 0;
+  if (o.model_type == "llama") {
+    const LlamaConfig c = llama_config(o);
+    heads = c.num_attention_heads;
+    TANDEM_CHECK(o.ep == 1,
+                 "[train] --model llama is dense (no experts to place): expected --ep 1, got {}",
+                 o.ep);
+    TANDEM_CHECK(c.num_attention_heads % o.tp == 0 && c.num_key_value_heads % o.tp == 0 &&
+                     c.intermediate_size % o.tp == 0,
+                 "[train] expected --tp {} to divide the config's {} attention heads, {} KV heads "
+                 "and intermediate_size {}",
+                 o.tp, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size);
+  } else {
+    const ModelConfig& m = o.model;
+    heads = m.heads;
+    TANDEM_CHECK(m.d_model > 0 && m.layers > 0 && m.heads > 0 && m.hidden > 0,
+                 "[train] expected positive --d-model, --layers, --heads, --hidden, got {}, {}, "
+                 "{}, {}",
+                 m.d_model, m.layers, m.heads, m.hidden);
+    TANDEM_CHECK(m.d_model % m.heads == 0, "[train] expected --heads {} to divide --d-model {}",
+                 m.heads, m.d_model);
+    TANDEM_CHECK(m.heads % o.tp == 0, "[train] expected --tp {} to divide --heads {}", o.tp,
+                 m.heads);
+    TANDEM_CHECK(m.experts >= 1 && m.experts % o.ep == 0,
+                 "[train] expected --ep {} to divide --experts {}", o.ep, m.experts);
+    TANDEM_CHECK(m.top_k >= 1 && m.top_k <= m.experts,
+                 "[train] expected 1 <= --top-k <= --experts {}, got {}", m.experts, m.top_k);
+  }
+  const int64_t local_heads = heads / o.tp;
   if (o.cp > 1 && o.cp_mode == "ulysses") {
     TANDEM_CHECK(local_heads % o.cp == 0,
-                 "[train] --cp-mode ulysses splits each rank's {} heads (--heads {} / --tp {}) "
+                 "[train] --cp-mode ulysses splits each rank's {} heads ({} heads / --tp {}) "
                  "over --cp {}: expected cp to divide them",
-                 local_heads, m.heads, o.tp, o.cp);
+                 local_heads, heads, o.tp, o.cp);
   }
   if (o.cp_mode == "hybrid") {
     TANDEM_CHECK(o.ulysses_degree > 1 && o.ulysses_degree < o.cp && o.cp % o.ulysses_degree == 0,
@@ -550,11 +559,19 @@ void validate(const TrainOptions& o, int world_size) {
                "[train] --cp-async on expects --cp-mode ulysses, allgather or hybrid (ring keeps "
                "its transfers in flight behind each block in any case), got '{}'",
                o.cp_mode);
+  TANDEM_CHECK(o.cp_async != "on" || o.model_type != "llama",
+               "[train] --cp-async on launches the CP collectives from the q/k/v projections, "
+               "but --model llama rotates q and k between projection and attention: expected "
+               "--cp-async auto or off");
   TANDEM_CHECK(!o.load_balance || o.cp_mode == "allgather" || o.cp_mode == "ring",
                "[train] --cp-load-balance applies to --cp-mode allgather or ring, got '{}'",
                o.cp_mode);
   TANDEM_CHECK(o.micro_batches >= 1, "[train] expected --micro-batches >= 1, got {}",
                o.micro_batches);
+  TANDEM_CHECK(!o.overlap || o.model_type == "moe",
+               "[train] --overlap pairs each side's expert all-to-all with the other side's "
+               "compute, and --model {} has no experts: expected --no-overlap",
+               o.model_type);
   TANDEM_CHECK(!o.overlap || o.micro_batches >= 2,
                "[train] --overlap pairs the backward of one micro-batch with the forward of the "
                "next: expected --micro-batches >= 2, got {}",
@@ -607,9 +624,32 @@ TrainResult run_training(const TrainOptions& options, std::FILE* out) {
   return result;
 }
 
-void export_checkpoint(const std::string& checkpoint, const std::string& out_path) {
+void export_checkpoint(const std::string& checkpoint, const std::string& out_path, DType dtype) {
   CheckpointInfo info = find_checkpoint(checkpoint);
-  consolidate_checkpoint(info, out_path, "model.");
+  auto model_it = info.meta.find("model");
+  const Json identity =
+      model_it == info.meta.end() ? Json() : Json::parse(model_it->second, nullptr, false);
+  const bool llama = identity.is_object() && identity.value("type", "") == "llama";
+  if (!llama) {
+    TANDEM_CHECK(dtype == DType::F32,
+                 "[train::export] the moe model exports f32 only, got {} (--dtype applies to "
+                 "llama checkpoints)",
+                 dtype_name(dtype));
+    consolidate_checkpoint(info, out_path, "model.");
+    return;
+  }
+  // A Hugging Face directory: the whole tensors under their own names (the
+  // model's names are the checkpoint format's), the config beside them, then
+  // read back through the model, which checks every name and shape, and
+  // written as save_pretrained writes it.
+  namespace fs = std::filesystem;
+  fs::create_directories(out_path);
+  const LlamaConfig config = LlamaConfig::from_json(identity.at("config"));
+  consolidate_checkpoint(info, (fs::path(out_path) / "model.safetensors").string(), "model.");
+  Generator unused(0);
+  LlamaForCausalLM model(config, unused);
+  load_hf_checkpoint(model, out_path);
+  save_hf_checkpoint(model, out_path, dtype);
 }
 
 }  // namespace tandem::train

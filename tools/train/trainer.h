@@ -59,10 +59,15 @@ struct TrainOptions {
   std::string cp_async = "auto";
   int micro_batches = 2;
   bool overlap = true;  // the dual-pipe schedule
-  // model and task
-  ModelConfig model;  // vocab and max_seq come from the task
+  // model and task (Note [Training models] in tools/train/train_model.h)
+  std::string model_type = "moe";  // moe | llama
+  ModelConfig model;               // moe: vocab and max_seq come from the task
+  std::string llama_config;        // llama: a Hugging Face config.json
+  std::string init_from;           // llama: a Hugging Face checkpoint directory
   RecallConfig recall;
-  std::string data;       // a text file: byte-level model instead of recall
+  // moe: a text file, a byte-level model instead of recall; llama: a token
+  // file (Note [Token files]).
+  std::string data;
   int64_t seq_len = 128;  // with --data
   // optimisation
   int64_t steps = 300;
@@ -145,7 +150,8 @@ struct TrainResult {
   std::string layout;
 };
 
-// The task the options select (recall, or a TextTask on options.data).
+// The task the options select: recall, a TextTask on options.data, or
+// (llama) a TokenTask on it.
 std::unique_ptr<Task> make_task(const TrainOptions& options);
 
 // Checks the options against a world of `world_size` ranks; throws
@@ -156,8 +162,11 @@ void validate(const TrainOptions& options, int world_size);
 // use the processes of mpirun. Progress goes to `out` from rank 0.
 TrainResult run_training(const TrainOptions& options, std::FILE* out = stdout);
 
-// `tandem-train export`: one consolidated safetensors file of the model's
-// full parameters from a checkpoint directory.
-void export_checkpoint(const std::string& checkpoint, const std::string& out_path);
+// `tandem-train export`: the model's full parameters from a checkpoint
+// directory. A llama checkpoint becomes a Hugging Face checkpoint directory
+// `out_path` (config.json, model.safetensors in `dtype`) that transformers
+// loads; the moe model one safetensors file `out_path` (f32).
+void export_checkpoint(const std::string& checkpoint, const std::string& out_path,
+                       DType dtype = DType::F32);
 
 }  // namespace tandem::train
