@@ -14,9 +14,15 @@ For each model family below it builds a tiny random model with `transformers`,
 saves it with `save_pretrained` (config.json + model.safetensors, f32), and
 writes `reference.safetensors` next to it: the input batch, the logits, the
 causal-LM loss of that batch (labels = inputs, shifted inside the model as
-`transformers` does) and the gradients of a few parameters. `versions.json`
+`transformers` does), the gradients of a few parameters and the tokens that
+greedy `generate` (with its KV cache) continues a prompt with. `versions.json`
 records what made them. The Catch2 tests load each checkpoint into tandem and
-compare (tests/train/test_llama.cpp).
+compare (tests/train/test_llama.cpp, tests/train/test_generate.cpp).
+
+`tokenizers/` holds two tiny tokenizers trained with `tokenizers`, one
+byte-level BPE (GPT-2, Llama 3, Qwen2 style) and one SentencePiece-style BPE
+with byte fallback (Llama 2, Mistral style), with `decode.json`: token ids and
+the text `tokenizer.decode(ids, skip_special_tokens=True)` gives for them.
 """
 import json
 import os
@@ -28,6 +34,7 @@ import torch
 import transformers
 
 BATCH, SEQ = 2, 12
+PROMPT, NEW_TOKENS = 5, 16
 
 # (name, config class, config fields). Every model is small enough for its
 # files to stay a few kilobytes; grouped-query heads everywhere.
@@ -105,9 +112,61 @@ def make(out_dir, name, config_class, fields):
     for p in GRAD_PARAMS:
         if p in params and params[p].grad is not None:
             reference["grad." + p] = params[p].grad.detach().contiguous()
+    # Greedy continuation of the first sequence's first tokens, never
+    # stopping early (no eos).
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        generated = model.generate(input_ids=input_ids[:1, :PROMPT], max_new_tokens=NEW_TOKENS,
+                                   do_sample=False, use_cache=True)
+    reference["generate.prompt"] = input_ids[0, :PROMPT].to(torch.int64).clone()
+    reference["generate.greedy"] = generated[0, PROMPT:].to(torch.int64).clone()
     safetensors.torch.save_file(reference, str(target / "reference.safetensors"))
     print(f"{name}: loss {out.loss.item():.6f}, {sum(p.numel() for p in params.values())} "
           f"parameters -> {target}")
+
+
+TOKENIZER_TEXT = [
+    "the quick brown fox jumps over the lazy dog. ",
+    "a stitch in time saves nine, and all that glitters is not gold. ",
+    "naive cafe, or rather naïve café: ünïcödé — 12345 ",
+] * 8
+DECODE_TEXTS = [
+    "the lazy fox",
+    "  two spaces and a tab\there",
+    "naïve café — ünïcödé 😀 in full",
+    "tokens it never saw: qzxj ~ {}[]",
+]
+
+
+def make_tokenizers(out_dir):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    byte_level = Tokenizer(models.BPE())
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.decoder = decoders.ByteLevel()
+    byte_level.train_from_iterator(TOKENIZER_TEXT, trainers.BpeTrainer(
+        vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"]))
+    metaspace = Tokenizer(models.BPE(byte_fallback=True))
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
+                                                       prepend_scheme="first")
+    metaspace.decoder = decoders.Sequence([
+        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(" ", 1, 0)])
+    metaspace.train_from_iterator(TOKENIZER_TEXT, trainers.BpeTrainer(
+        vocab_size=340,
+        special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]))
+    for name, tok in (("byte-level", byte_level), ("metaspace", metaspace)):
+        target = out_dir / "tokenizers" / name
+        target.mkdir(parents=True, exist_ok=True)
+        tok.save(str(target / "tokenizer.json"))
+        special = tok.token_to_id("<|endoftext|>" if name == "byte-level" else "<s>")
+        cases = []
+        for text in DECODE_TEXTS:
+            ids = [special] + tok.encode(text).ids + [special]
+            cases.append({"ids": ids, "text": tok.decode(ids, skip_special_tokens=True)})
+        (target / "decode.json").write_text(json.dumps(cases, indent=1, ensure_ascii=False) + "\n")
+        print(f"tokenizer {name}: {tok.get_vocab_size()} tokens -> {target}")
 
 
 def check_export(test_binary):
@@ -140,8 +199,11 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, config_class, fields in MODELS:
         make(out_dir, name, config_class, fields)
+    make_tokenizers(out_dir)
+    import tokenizers
     versions = {"torch": torch.__version__, "transformers": transformers.__version__,
-                "safetensors": safetensors.__version__, "script": "tools/hf_fixtures.py"}
+                "safetensors": safetensors.__version__, "tokenizers": tokenizers.__version__,
+                "script": "tools/hf_fixtures.py"}
     (out_dir / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")
 
 

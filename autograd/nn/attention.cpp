@@ -1,5 +1,7 @@
 #include "tandem/autograd/nn/attention.h"
 
+#include <algorithm>
+
 #include "tandem/autograd/ops.h"
 #include "tandem/runtime/error.h"
 
@@ -109,6 +111,54 @@ SelfAttention::SelfAttention(const SelfAttentionOptions& options, Generator& gen
   core_ = register_module("core", nn::make<CoreAttention>(core_options));
 }
 
+namespace {
+const char kCacheKey = 0;  // KVCacheScope's per-call data
+
+std::shared_ptr<KVCache> scoped_cache() {
+  // Only KVCacheScope stores under the key, and always a KVCache.
+  return std::const_pointer_cast<KVCache>(
+      std::static_pointer_cast<const KVCache>(find_call_data(&kCacheKey)));
+}
+}  // namespace
+
+KVCacheScope::KVCacheScope(std::shared_ptr<KVCache> cache) : scope_(&kCacheKey, std::move(cache)) {}
+
+void KVCache::clear() {
+  entries_.clear();
+  length_ = 0;
+}
+
+std::pair<Tensor, Tensor> KVCache::append(const void* layer, const Tensor& k, const Tensor& v) {
+  Entry& e = entries_[layer];
+  const int64_t n = k.shape()[1];
+  if (e.k.defined()) {
+    TANDEM_CHECK(k.shape()[0] == e.k.shape()[0] && k.shape()[2] == e.k.shape()[2] &&
+                     k.shape()[3] == e.k.shape()[3] && k.dtype() == e.k.dtype(),
+                 "[nn::KVCache] expected keys of shape (B {}, S, {}, {}) {} as cached, got {} {}",
+                 e.k.shape()[0], e.k.shape()[2], e.k.shape()[3], dtype_name(e.k.dtype()), k.shape(),
+                 dtype_name(k.dtype()));
+  }
+  const int64_t capacity = e.k.defined() ? e.k.shape()[1] : 0;
+  if (e.length + n > capacity) {
+    const int64_t grown = std::max<int64_t>({e.length + n, 2 * capacity, 16});
+    auto grow = [&](const Tensor& old, const Tensor& like) {
+      Shape shape = like.shape();
+      shape[1] = grown;
+      Tensor t = ops::zeros(shape, like.dtype(), like.device());
+      if (e.length > 0)
+        ops::copy_(ops::narrow(t, 1, 0, e.length), ops::narrow(old, 1, 0, e.length));
+      return t;
+    };
+    e.k = grow(e.k, k);
+    e.v = grow(e.v, v);
+  }
+  ops::copy_(ops::narrow(e.k, 1, e.length, n), k);
+  ops::copy_(ops::narrow(e.v, 1, e.length, n), v);
+  e.length += n;
+  length_ = std::max(length_, e.length);
+  return {ops::narrow(e.k, 1, 0, e.length), ops::narrow(e.v, 1, 0, e.length)};
+}
+
 std::vector<Tensor> SelfAttention::forward(Args& args) {
   const Tensor& x = single_input(args, "SelfAttention");
   TANDEM_CHECK(x.dim() == 3 && x.shape()[2] == d_model_,
@@ -132,7 +182,22 @@ std::vector<Tensor> SelfAttention::forward(Args& args) {
     q = apply_rotary(q, cos, sin);
     k = apply_rotary(k, cos, sin);
   }
-  Tensor attn = (*core_).call(Args{q, k, v})[0];  // (B, S, Hq, Dh)
+  Tensor attn;
+  if (std::shared_ptr<KVCache> cache = scoped_cache()) {
+    TANDEM_CHECK(!grad_mode_enabled(),
+                 "[nn::SelfAttention] a KVCacheScope is for inference: expected NoGradGuard "
+                 "around the forward (Note [KV cache])");
+    TANDEM_CHECK(!core_->has_kernel(),
+                 "[nn::SelfAttention] expected a core without a replaced kernel under a "
+                 "KVCacheScope (context parallelism shards what the cache holds whole)");
+    const int64_t cached = cache->entries_.count(this) ? cache->entries_.at(this).length : 0;
+    auto [all_k, all_v] = cache->append(this, k, v);
+    Args call{q, all_k, all_v};
+    call.named["q_offset"] = ops::scalar_tensor(static_cast<double>(cached), DType::I64);
+    attn = (*core_).call(call)[0];
+  } else {
+    attn = (*core_).call(Args{q, k, v})[0];  // (B, S, Hq, Dh)
+  }
   return {(*o_proj_)(reshape(attn, Shape{B, S, attn.shape()[2] * attn.shape()[3]}))};
 }
 

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -104,6 +105,48 @@ struct SelfAttentionOptions {
   // local_positions(): Note [Rotary positions]. Its head_dim is this
   // layer's.
   std::optional<RotaryOptions> rope = std::nullopt;
+};
+
+// Note [KV cache]
+// ~~~~~~~~~~~~~~~
+// Incremental decoding: while a KVCacheScope is in scope on the calling
+// thread, every SelfAttention appends the keys and values of the tokens it is
+// called on (after QK-norm and the rotary embedding) to its own entry of the
+// cache, and attends its queries to every cached key, the queries sitting
+// after the tokens cached before them (CoreAttention's q_offset). A model is
+// then called once on the prompt and after that on one new token at a time,
+// each call attending over the whole prefix without recomputing it. The new
+// tokens' rotary positions come from the PositionScope as always: the caller
+// declares them (position_range(cache.length(), n)). Inference only: a
+// forward in grad mode under a scope is refused, as is a core with a kernel
+// or hooks of context parallelism (its layout is not a cached prefix).
+// Entries grow by doubling, so appending is amortised O(new tokens).
+class KVCache {
+ public:
+  // Tokens cached so far (every layer of one model holds the same number).
+  int64_t length() const { return length_; }
+  void clear();
+
+ private:
+  friend class SelfAttention;
+  struct Entry {
+    Tensor k, v;  // (B, capacity, Hkv, D)
+    int64_t length = 0;
+  };
+  // Appends k and v (B, S, Hkv, D) to the entry of `layer`; returns the
+  // cached keys and values, (B, length, Hkv, D).
+  std::pair<Tensor, Tensor> append(const void* layer, const Tensor& k, const Tensor& v);
+  std::map<const void*, Entry> entries_;
+  int64_t length_ = 0;
+};
+
+// The cache the SelfAttention forwards on this thread use while it lives.
+class KVCacheScope {
+ public:
+  explicit KVCacheScope(std::shared_ptr<KVCache> cache);
+
+ private:
+  CallDataScope scope_;
 };
 
 // Multi-head self-attention with grouped-query heads, as the Llama family
