@@ -62,6 +62,10 @@ MODELS = [
     # Qwen2: biases on q/k/v, tied embeddings.
     ("qwen2", transformers.Qwen2Config,
      dict(COMMON, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False)),
+    # Mixtral: every MLP an MoE of 4 SwiGLU experts, 2 per token.
+    ("mixtral", transformers.MixtralConfig,
+     dict(COMMON, rope_theta=10000.0, tie_word_embeddings=False, num_local_experts=4,
+          num_experts_per_tok=2, router_jitter_noise=0.0, sliding_window=None)),
 ]
 # Gradients stored for the test: every layer kind once.
 GRAD_PARAMS = [
@@ -112,6 +116,22 @@ def make(out_dir, name, config_class, fields):
     for p in GRAD_PARAMS:
         if p in params and params[p].grad is not None:
             reference["grad." + p] = params[p].grad.detach().contiguous()
+    # Mixtral's experts are fused in memory (gate and up stacked, per expert);
+    # the checkpoint, and tandem, name each expert's w1 (gate), w3 (up) and
+    # w2 (down): store their gradients under those names.
+    for layer in (0, 1):
+        moe = f"model.layers.{layer}.mlp."
+        if moe + "gate.weight" not in params:
+            continue
+        saved = f"grad.model.layers.{layer}.block_sparse_moe."
+        reference[saved + "gate.weight"] = params[moe + "gate.weight"].grad.detach().clone()
+        gate_up = params[moe + "experts.gate_up_proj"].grad.detach()
+        down = params[moe + "experts.down_proj"].grad.detach()
+        inner = fields["intermediate_size"]
+        for e in (0, 3):
+            reference[saved + f"experts.{e}.w1.weight"] = gate_up[e, :inner].clone()
+            reference[saved + f"experts.{e}.w3.weight"] = gate_up[e, inner:].clone()
+            reference[saved + f"experts.{e}.w2.weight"] = down[e].clone()
     # Greedy continuation of the first sequence's first tokens, never
     # stopping early (no eos).
     model.generation_config.eos_token_id = None

@@ -119,8 +119,9 @@ MoE::MoE(const MoEOptions& options, Generator& gen)
                "[nn::MoE] expected 1 <= top_k <= num_experts, got top_k={}, num_experts={}", top_k,
                num_experts);
   router_ = register_module(
-      "router", nn::make<nn::Linear>(
-                    {.in_features = d_model, .out_features = num_experts, .bias = false}, gen));
+      options.router_name,
+      nn::make<nn::Linear>({.in_features = d_model, .out_features = num_experts, .bias = false},
+                           gen));
   auto list = register_module("experts", std::make_shared<ModuleList>());
   for (int64_t e = 0; e < num_experts; ++e) {
     experts_.push_back(

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "tandem/autograd/module.h"
@@ -103,6 +104,8 @@ struct MoEOptions {
   int64_t hidden = 0;  // per expert
   int64_t num_experts = 0;
   int64_t top_k = 2;
+  // The router's name among the children: Mixtral's checkpoints call it "gate".
+  std::string router_name = "router";
 };
 
 class MoE final : public Module {

@@ -36,7 +36,7 @@ std::shared_ptr<LlamaForCausalLM> load(const std::string& name) {
 }  // namespace
 
 TEST_CASE("greedy generation with the KV cache gives transformers' tokens", "[generate]") {
-  for (const char* name : {"llama", "llama3-scaled", "qwen2"}) {
+  for (const char* name : {"llama", "llama3-scaled", "qwen2", "mixtral"}) {
     INFO(name);
     auto model = load(name);
     SafetensorsFile ref = load_safetensors(kFixtures + "/" + name + "/reference.safetensors");

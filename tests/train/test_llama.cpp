@@ -17,6 +17,8 @@
 #include "tandem/autograd/ops.h"
 #include "tandem/comm/threads/threads_backend.h"
 #include "tandem/parallel/context_parallel.h"
+#include "tandem/parallel/expert_parallel.h"
+#include "tandem/parallel/tensor_parallel.h"
 #include "tandem/tensor/io/safetensors.h"
 #include "tools/train/llama.h"
 
@@ -68,12 +70,12 @@ std::string temp_dir(const std::string& what) {
 
 TEST_CASE("Llama-family checkpoints from transformers give its logits, loss and gradients",
           "[llama]") {
-  for (const char* name : {"llama", "llama3-scaled", "qwen2"}) {
+  for (const char* name : {"llama", "llama3-scaled", "qwen2", "mixtral"}) {
     INFO(name);
     auto model = load_fixture(name);
     SafetensorsFile ref = load_safetensors(fixture(name) + "/reference.safetensors");
     const Tensor tokens = ref.at("input_ids");
-    Tensor logits = (*model)(tokens);
+    Tensor logits = nn::call_with_aux(*model, Args{tokens}).out;
     CHECK(compare(logits, ref.at("logits"), 1e-4, 1e-5) == "");
     Tensor loss = causal_lm_loss(logits, tokens);
     CHECK(compare(reshape(loss, Shape{1}), ref.at("loss"), 1e-4, 0) == "");
@@ -133,7 +135,7 @@ TEST_CASE("a Llama checkpoint saved by tandem loads back bit for bit, sharded or
   // For tools/hf_fixtures.py --check-export: every fixture as tandem writes
   // it, for transformers to load and compare with its own reference.
   if (const char* out = std::getenv("TANDEM_LLAMA_EXPORT_DIR")) {
-    for (const char* name : {"llama", "llama3-scaled", "qwen2"})
+    for (const char* name : {"llama", "llama3-scaled", "qwen2", "mixtral"})
       save_hf_checkpoint(*load_fixture(name), std::string(out) + "/" + name, DType::F32, 16384);
   }
 }
@@ -170,6 +172,95 @@ TEST_CASE("a Llama model under context parallelism gives the single-rank logits"
   }
 }
 
+// Megatron's plan for the attention (and a dense MLP): what tandem-train uses.
+ParallelizePlan tp_plan(const LlamaConfig& c) {
+  ParallelizePlan plan;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string a = fmt::format("model.layers.{}.self_attn.", i);
+    const std::string m = fmt::format("model.layers.{}.mlp.", i);
+    plan[a + "q_proj"] = colwise();
+    plan[a + "k_proj"] = colwise();
+    plan[a + "v_proj"] = colwise();
+    plan[a + "o_proj"] = rowwise();
+    if (c.num_local_experts > 0) continue;
+    plan[m + "gate_proj"] = colwise();
+    plan[m + "up_proj"] = colwise();
+    plan[m + "down_proj"] = rowwise();
+  }
+  return plan;
+}
+
+TEST_CASE("under tp 2 and ep 2 the fixtures give transformers' logits, loss and gradients",
+          "[llama][tp][ep]") {
+  for (const char* name : {"llama", "qwen2", "mixtral"}) {
+    INFO(name);
+    SafetensorsFile ref = load_safetensors(fixture(name) + "/reference.safetensors");
+    const Tensor tokens = ref.at("input_ids");
+    const int64_t B = tokens.shape()[0], S = tokens.shape()[1];
+    // tp 2: each rank the whole batch, half the heads (and of a dense MLP);
+    // a column-wise weight's gradient is its rows of the reference's, a
+    // row-wise one's its columns.
+    std::vector<std::string> errors(2);
+    run_ranks(2, [&](ProcessGroupPtr pg) {
+      const int r = pg->rank();
+      auto model = load_fixture(name);
+      parallelize_module(model, DeviceMesh(pg, {2}, {"tp"}), tp_plan(model->config()));
+      Tensor logits = nn::call_with_aux(*model, Args{tokens}).out;
+      std::string e = compare(logits, ref.at("logits"), 1e-4, 1e-5);
+      backward(causal_lm_loss(logits, tokens));
+      for (const auto& [pname, p] : model->named_parameters()) {
+        if (!e.empty() || !ref.contains("grad." + pname)) continue;
+        Tensor want = ref.at("grad." + pname);
+        if (pname.find("q_proj") != std::string::npos || pname.find("k_proj") != std::string::npos)
+          want = ops::narrow(want, 0, r * p.shape()[0], p.shape()[0]);
+        if (pname.find("down_proj") != std::string::npos)
+          want = ops::narrow(want, 1, r * p.shape()[1], p.shape()[1]);
+        e = compare(grad(p), want, 1e-4, 1e-6);
+        if (!e.empty()) e = pname + ": " + e;
+      }
+      errors[r] = e;
+    });
+    CHECK(errors[0] == "");
+    CHECK(errors[1] == "");
+    if (std::string(name) != "mixtral") continue;
+    // ep 2: rank r holds experts [2r, 2r + 2) and sequence r of the batch, as
+    // a data rank does; each scores its half of the reference's tokens. An
+    // expert's gradient is whole on its owner; the others' sum over ranks.
+    run_ranks(2, [&](ProcessGroupPtr pg) {
+      const int r = pg->rank();
+      auto model = load_fixture(name);
+      const DeviceMesh mesh(pg, {2}, {"ep"});
+      for (int64_t i = 0; i < model->config().num_hidden_layers; ++i)
+        expert_parallel(model->model()->layer(i)->block_sparse_moe(), mesh, {}, i);
+      const Tensor mine = ops::narrow(tokens, 0, r, 1);
+      Tensor logits = nn::call_with_aux(*model, Args{mine}).out;
+      std::string e = compare(logits, ops::narrow(ref.at("logits"), 0, r, 1), 1e-4, 1e-5);
+      backward(mul(causal_lm_loss(logits, mine), 1.0 / static_cast<double>(B)));
+      int experts_checked = 0;
+      for (const auto& [pname, p] : model->named_parameters()) {
+        if (!ref.contains("grad." + pname)) continue;
+        Tensor g = grad(p);
+        if (pname.find(".experts.") != std::string::npos) {
+          ++experts_checked;
+        } else {
+          WorkPtr w = pg->all_reduce(ops::clone(g), {});
+          w->wait();
+          g = w->result();
+        }
+        if (e.empty()) {
+          e = compare(g, ref.at("grad." + pname), 1e-4, 1e-6);
+          if (!e.empty()) e = pname + ": " + e;
+        }
+      }
+      if (experts_checked != 6) e += fmt::format(" {} expert gradients checked", experts_checked);
+      errors[r] = e;
+    });
+    CHECK(errors[0] == "");
+    CHECK(errors[1] == "");
+    CHECK(S > 1);
+  }
+}
+
 TEST_CASE("Llama configs and checkpoints tandem cannot honour are refused by name", "[llama]") {
   std::ifstream in(fixture("llama") + "/config.json");
   const nlohmann::json base = nlohmann::json::parse(in);
@@ -187,9 +278,24 @@ TEST_CASE("Llama configs and checkpoints tandem cannot honour are refused by nam
   mistral["sliding_window"] = 4096;
   CHECK_THROWS_WITH(LlamaConfig::from_json(mistral), Contains("field sliding_window"));
   CHECK_THROWS_WITH(LlamaConfig::from_json(with("model_type", "gemma")),
-                    Contains("model_type: expected llama, mistral or qwen2, got 'gemma'"));
+                    Contains("model_type: expected llama, mistral, qwen2 or mixtral, got 'gemma'"));
   CHECK_THROWS_WITH(LlamaConfig::from_json(with("num_local_experts", 8)),
-                    Contains("field num_local_experts"));
+                    Contains("field num_local_experts: experts belong to model_type mixtral"));
+  std::ifstream mixtral_in(fixture("mixtral") + "/config.json");
+  const nlohmann::json mixtral = nlohmann::json::parse(mixtral_in);
+  nlohmann::json jitter = mixtral;
+  jitter["router_jitter_noise"] = 0.1;
+  CHECK_THROWS_WITH(LlamaConfig::from_json(jitter), Contains("field router_jitter_noise"));
+  nlohmann::json too_many = mixtral;
+  too_many["num_experts_per_tok"] = 5;
+  CHECK_THROWS_WITH(LlamaConfig::from_json(too_many),
+                    Contains("num_experts_per_tok (5) <= num_local_experts (4)"));
+  nlohmann::json windowed = mixtral;
+  windowed["sliding_window"] = 128;
+  CHECK_THROWS_WITH(LlamaConfig::from_json(windowed), Contains("field sliding_window"));
+  const LlamaConfig m = LlamaConfig::from_json(mixtral);
+  CHECK(LlamaConfig::from_json(m.to_json()).to_json() == m.to_json());
+  CHECK(m.to_json()["architectures"][0] == "MixtralForCausalLM");
   nlohmann::json no_vocab = base;
   no_vocab.erase("vocab_size");
   CHECK_THROWS_WITH(LlamaConfig::from_json(no_vocab), Contains("field vocab_size"));

@@ -76,6 +76,10 @@ TEST_CASE("token batches are windows of the file drawn from their coordinates", 
   const Batch other_rank = task.sample(1, 5, 0, 1, 3);
   CHECK(ops::equal(a.tokens, again.tokens));
   CHECK_FALSE(ops::equal(a.tokens, other_rank.tokens));
+  // A global batch of 6 is the same windows on one data rank as on two.
+  const Batch whole = task.sample(1, 5, 0, 0, 6);
+  CHECK(ops::equal(whole.tokens, ops::cat({a.tokens, other_rank.tokens}, 0)));
+  CHECK(ops::equal(whole.targets, ops::cat({a.targets, other_rank.targets}, 0)));
   const std::vector<int64_t> t = a.tokens.to_vector<int64_t>(), y = a.targets.to_vector<int64_t>();
   for (int64_t b = 0; b < 3; ++b) {
     // The window's place in the file, from its first two tokens.

@@ -260,9 +260,10 @@ Batch TokenTask::sample(uint64_t seed, int64_t step, int micro_batch, int data_r
   const int64_t starts = file_->size() - S;  // windows of S + 1 tokens
   std::vector<int64_t> tokens(static_cast<size_t>(batch * S));
   std::vector<int64_t> targets(tokens.size());
-  Rng rng = batch_rng(seed, step, micro_batch, data_rank);
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t start = rng.below(starts);
+    // Window g of the micro-batch's global batch (Note [Token files]).
+    const int64_t g = static_cast<int64_t>(data_rank) * batch + b;
+    const int64_t start = batch_rng(seed, step, micro_batch, static_cast<int>(g)).below(starts);
     for (int64_t i = 0; i <= S; ++i) {
       const int64_t t = (*file_)[start + i];
       TANDEM_CHECK(t < vocab_,

@@ -106,10 +106,14 @@ class TextTask final : public Task {
 // count, then the tokens; a file without that magic is read as bare uint16
 // tokens. The file is memory-mapped, not read: a corpus may exceed memory,
 // and every rank process maps the same pages. Batches are windows of S + 1
-// tokens at positions drawn as TextTask draws them (Note [Deterministic
-// batches]), so data ranks see different windows and a resumed run the same
-// ones; every position is scored. tools/tokenize_text.py writes such files with
-// a Hugging Face tokenizer.
+// tokens, every position scored. Window g of a micro-batch's global batch
+// starts where a generator seeded by (seed, step, micro-batch, g) says, with
+// g = data_rank × batch + b for a data rank's b-th sequence (Note
+// [Deterministic batches]): a resumed run sees the same windows, data ranks
+// different ones, and a global batch is the same windows however many data
+// ranks share it, so layouts that split it differently train on the same
+// data (and a fine-tune's losses compare across them). tools/tokenize_text.py
+// writes such files with a Hugging Face tokenizer.
 class TokenFile {
  public:
   explicit TokenFile(const std::string& path);

@@ -98,9 +98,9 @@ Generation generate(LlamaForCausalLM& model, const std::vector<int64_t>& prompt,
       nn::KVCacheScope scope(cache);
       nn::PositionScope positions(
           nn::position_range(cache->length(), static_cast<int64_t>(fresh.size())));
-      logits = model(token_tensor(fresh, device));
+      logits = nn::call_with_aux(model, Args{token_tensor(fresh, device)}).out;
     } else {
-      logits = model(token_tensor(sequence, device));
+      logits = nn::call_with_aux(model, Args{token_tensor(sequence, device)}).out;
     }
     std::vector<float> last = last_logits(logits);
     const int64_t next =

@@ -64,8 +64,10 @@ LlamaConfig LlamaConfig::from_json(const Json& j) {
   TANDEM_CHECK(j.is_object(), "[llama::config] expected a JSON object, got {}", j.type_name());
   LlamaConfig c;
   c.model_type = j.value("model_type", std::string("llama"));
-  TANDEM_CHECK(c.model_type == "llama" || c.model_type == "mistral" || c.model_type == "qwen2",
-               "[llama::config] field model_type: expected llama, mistral or qwen2, got '{}'",
+  TANDEM_CHECK(c.model_type == "llama" || c.model_type == "mistral" || c.model_type == "qwen2" ||
+                   c.model_type == "mixtral",
+               "[llama::config] field model_type: expected llama, mistral, qwen2 or mixtral, got "
+               "'{}'",
                c.model_type);
   const std::string act = j.value("hidden_act", std::string("silu"));
   TANDEM_CHECK(act == "silu", "[llama::config] field hidden_act: tandem implements silu, got '{}'",
@@ -73,8 +75,8 @@ LlamaConfig LlamaConfig::from_json(const Json& j) {
   TANDEM_CHECK(!flag_field(j, "mlp_bias", false),
                "[llama::config] field mlp_bias: tandem's Llama MLP has no biases, got true");
   TANDEM_CHECK(!flag_field(j, "use_sliding_window", false) &&
-                   (c.model_type != "mistral" || !j.contains("sliding_window") ||
-                    j["sliding_window"].is_null()),
+                   ((c.model_type != "mistral" && c.model_type != "mixtral") ||
+                    !j.contains("sliding_window") || j["sliding_window"].is_null()),
                "[llama::config] field sliding_window: tandem attends to the whole causal context; "
                "a sliding window is not implemented (got {})",
                j.value("sliding_window", Json()).dump());
@@ -86,11 +88,24 @@ LlamaConfig LlamaConfig::from_json(const Json& j) {
                    t.dump());
     }
   }
-  for (const char* moe : {"num_local_experts", "num_experts"}) {
-    TANDEM_CHECK(!j.contains(moe) || j[moe].is_null() || j[moe] == 0,
-                 "[llama::config] field {}: mixture-of-experts checkpoints are not supported by "
-                 "the Llama model yet, got {}",
-                 moe, j[moe].dump());
+  if (c.model_type == "mixtral") {
+    c.num_local_experts = size_field(j, "num_local_experts");
+    c.num_experts_per_tok = size_field(j, "num_experts_per_tok", 2);
+    TANDEM_CHECK(c.num_experts_per_tok <= c.num_local_experts,
+                 "[llama::config] expected num_experts_per_tok ({}) <= num_local_experts ({})",
+                 c.num_experts_per_tok, c.num_local_experts);
+    c.router_aux_loss_coef = number_field(j, "router_aux_loss_coef", 0.001);
+    TANDEM_CHECK(number_field(j, "router_jitter_noise", 0.0) == 0.0,
+                 "[llama::config] field router_jitter_noise: tandem's router adds no noise, got "
+                 "{}",
+                 j["router_jitter_noise"].dump());
+  } else {
+    for (const char* moe : {"num_local_experts", "num_experts"}) {
+      TANDEM_CHECK(!j.contains(moe) || j[moe].is_null() || j[moe] == 0,
+                   "[llama::config] field {}: experts belong to model_type mixtral, got {} with "
+                   "model_type {}",
+                   moe, j[moe].dump(), c.model_type);
+    }
   }
   c.vocab_size = size_field(j, "vocab_size");
   c.hidden_size = size_field(j, "hidden_size");
@@ -158,6 +173,7 @@ Json LlamaConfig::to_json() const {
   Json j = {{"architectures",
              {model_type == "qwen2"     ? "Qwen2ForCausalLM"
               : model_type == "mistral" ? "MistralForCausalLM"
+              : model_type == "mixtral" ? "MixtralForCausalLM"
                                         : "LlamaForCausalLM"}},
             {"model_type", model_type},
             {"vocab_size", vocab_size},
@@ -175,6 +191,13 @@ Json LlamaConfig::to_json() const {
             {"torch_dtype", "float32"}};
   if (model_type != "qwen2") j["attention_bias"] = o_bias;
   if (model_type == "qwen2") j["use_sliding_window"] = false;
+  if (model_type == "mixtral") {
+    j["num_local_experts"] = num_local_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["router_aux_loss_coef"] = router_aux_loss_coef;
+    j["router_jitter_noise"] = 0.0;
+    j["sliding_window"] = nullptr;
+  }
   if (llama3) {
     j["rope_scaling"] = {
         {"rope_type", "llama3"},
@@ -208,13 +231,25 @@ LlamaDecoderLayer::LlamaDecoderLayer(const LlamaConfig& c, Generator& gen)
   self_attn_ = register_module("self_attn", nn::make<nn::SelfAttention>(attention_options(c), gen));
   post_attention_layernorm_ =
       register_module("post_attention_layernorm", nn::make<nn::RMSNorm>(norm));
-  mlp_ = register_module("mlp", nn::make<LlamaMLP>(c, gen));
+  if (c.num_local_experts > 0) {
+    moe_ =
+        register_module("block_sparse_moe", nn::make<nn::MoE>({.d_model = c.hidden_size,
+                                                               .hidden = c.intermediate_size,
+                                                               .num_experts = c.num_local_experts,
+                                                               .top_k = c.num_experts_per_tok,
+                                                               .router_name = "gate"},
+                                                              gen));
+  } else {
+    mlp_ = register_module("mlp", nn::make<LlamaMLP>(c, gen));
+  }
 }
 
 std::vector<Tensor> LlamaDecoderLayer::forward(Args& args) {
   const Tensor& x = nn::single_input(args, "LlamaDecoderLayer");
   Tensor h = add(x, (*self_attn_)((*input_layernorm_)(x)));
-  return {add(h, (*mlp_)((*post_attention_layernorm_)(h)))};
+  if (!moe_) return {add(h, (*mlp_)((*post_attention_layernorm_)(h)))};
+  nn::AuxOutput m = nn::call_with_aux(*moe_, Args{(*post_attention_layernorm_)(h)});
+  return {add(h, m.out), m.aux_loss};
 }
 
 LlamaModel::LlamaModel(const LlamaConfig& c, Generator& gen) : Module("LlamaModel") {
@@ -239,8 +274,13 @@ std::vector<Tensor> LlamaModel::forward(Args& args) {
                "[llama] expected integer tokens (B, S), got {} {}", dtype_name(tokens.dtype()),
                tokens.shape());
   Tensor h = (*embed_tokens_)(tokens);
-  for (size_t i = 0; i < layers_->size(); ++i)
-    h = (*(*layers_)[i])(h);
+  Tensor aux;
+  for (size_t i = 0; i < layers_->size(); ++i) {
+    nn::AuxOutput out = nn::call_with_aux(*(*layers_)[i], Args{h});
+    h = out.out;
+    if (out.aux_loss.defined()) aux = aux.defined() ? add(aux, out.aux_loss) : out.aux_loss;
+  }
+  if (aux.defined()) return {(*norm_)(h), aux};
   return {(*norm_)(h)};
 }
 
@@ -256,9 +296,11 @@ LlamaForCausalLM::LlamaForCausalLM(const LlamaConfig& config, Generator& gen)
 }
 
 std::vector<Tensor> LlamaForCausalLM::forward(Args& args) {
-  Tensor h = (*model_)(nn::single_input(args, "LlamaForCausalLM"));
-  if (lm_head_) return {(*lm_head_)(h)};
-  return {linear(h, model_->embed_tokens()->weight())};  // tied: the embedding's table
+  nn::AuxOutput out = nn::call_with_aux(*model_, Args{nn::single_input(args, "LlamaForCausalLM")});
+  Tensor logits =
+      lm_head_ ? (*lm_head_)(out.out) : linear(out.out, model_->embed_tokens()->weight());  // tied
+  if (out.aux_loss.defined()) return {logits, out.aux_loss};
+  return {logits};
 }
 
 Tensor causal_lm_loss(const Tensor& logits, const Tensor& tokens) {

@@ -1,5 +1,6 @@
-// The Llama family (Llama 2/3, Mistral without a sliding window, Qwen2)
-// written only against tandem's public API, with the module tree of the
+// The Llama family (Llama 2/3, Mistral without a sliding window, Qwen2, and
+// Mixtral, its mixture-of-experts form) written only against tandem's public
+// API, with the module tree of the
 // Hugging Face implementation, so that a state_dict's names are a
 // checkpoint's names and a Hugging Face safetensors checkpoint loads and
 // saves without a conversion table:
@@ -9,6 +10,9 @@
 //   model.layers.N.self_attn.{q,k,v,o}_proj SelfAttention (RoPE, GQA, biases, QK-norm)
 //   model.layers.N.post_attention_layernorm RMSNorm
 //   model.layers.N.mlp.{gate,up,down}_proj  down(silu(gate(x)) * up(x))
+//   model.layers.N.block_sparse_moe        Mixtral, in place of mlp: nn::MoE with
+//     .gate                                 the router (hidden → experts), and
+//     .experts.E.{w1,w2,w3}                 SwiGLU experts w2(silu(w1 x) * w3 x)
 //   model.norm                              RMSNorm
 //   lm_head                                 Linear (hidden → vocab); absent when tied
 //
@@ -28,6 +32,7 @@
 #include "tandem/autograd/nn/attention.h"
 #include "tandem/autograd/nn/container.h"
 #include "tandem/autograd/nn/linear.h"
+#include "tandem/autograd/nn/moe.h"
 #include "tandem/autograd/nn/norm.h"
 #include "tandem/autograd/nn/rope.h"
 
@@ -36,7 +41,7 @@ namespace tandem::train {
 // The fields of a Hugging Face config.json that shape the model. Fields
 // tandem does not implement are refused by name (from_json), never ignored.
 struct LlamaConfig {
-  std::string model_type = "llama";  // llama, mistral or qwen2
+  std::string model_type = "llama";  // llama, mistral, qwen2 or mixtral
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -51,6 +56,11 @@ struct LlamaConfig {
   bool tie_word_embeddings = false;
   bool qkv_bias = false;  // Qwen2, or attention_bias
   bool o_bias = false;    // attention_bias
+  // Mixtral: every layer's MLP is an MoE of num_local_experts SwiGLU experts
+  // (intermediate_size each), num_experts_per_tok per token; 0: dense.
+  int64_t num_local_experts = 0;
+  int64_t num_experts_per_tok = 2;
+  double router_aux_loss_coef = 0.0;  // recorded for to_json; the trainer's --aux-weight applies
 
   // Reads a config.json object: rope_theta / rope_scaling (transformers 4)
   // or rope_parameters (transformers 5). Throws naming the first field it
@@ -76,12 +86,15 @@ class LlamaMLP final : public Module {
   std::shared_ptr<nn::Linear> gate_proj_, up_proj_, down_proj_;
 };
 
-// h = x + self_attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h)).
+// h = x + self_attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h)),
+// with block_sparse_moe in place of mlp in a Mixtral layer, which outputs
+// {out, aux_loss} (nn::call_with_aux).
 class LlamaDecoderLayer final : public Module {
  public:
   using Options = LlamaConfig;
   LlamaDecoderLayer(const LlamaConfig& config, Generator& gen);
   const std::shared_ptr<nn::SelfAttention>& self_attn() const { return self_attn_; }
+  const std::shared_ptr<nn::MoE>& block_sparse_moe() const { return moe_; }  // null: dense
 
  protected:
   std::vector<Tensor> forward(Args& args) override;
@@ -90,9 +103,11 @@ class LlamaDecoderLayer final : public Module {
   std::shared_ptr<nn::RMSNorm> input_layernorm_, post_attention_layernorm_;
   std::shared_ptr<nn::SelfAttention> self_attn_;
   std::shared_ptr<LlamaMLP> mlp_;
+  std::shared_ptr<nn::MoE> moe_;
 };
 
-// tokens (B, S) integer → hidden states (B, S, hidden) after the final norm.
+// tokens (B, S) integer → hidden states (B, S, hidden) after the final norm
+// (and, with experts, the layers' summed load-balancing loss).
 class LlamaModel final : public Module {
  public:
   using Options = LlamaConfig;
@@ -109,7 +124,8 @@ class LlamaModel final : public Module {
   std::shared_ptr<nn::RMSNorm> norm_;
 };
 
-// tokens (B, S) → {logits (B, S, vocab)}.
+// tokens (B, S) → {logits (B, S, vocab)}, or with experts {logits, aux_loss}:
+// call it through nn::call_with_aux to serve both.
 class LlamaForCausalLM final : public Module {
  public:
   using Options = LlamaConfig;

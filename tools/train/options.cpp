@@ -193,8 +193,9 @@ Command parse_command_line(const std::vector<std::string>& args) {
     TANDEM_FAIL("{} (run with --help for the options)", e.what());
   }
   if (*exp) c.kind = Command::Kind::Export;
-  // A dense model has no experts to place: its default layout has no ep.
-  // Nor expert all-to-alls for the dual-pipe overlap to pair.
+  // A dense model has no experts to place: its default layout has no ep, nor
+  // expert all-to-alls for the dual-pipe overlap to pair (a Mixtral config
+  // asks for them with --ep and --overlap).
   if (o.model_type == "llama" && app.count("--ep") == 0) o.ep = 1;
   if (o.model_type == "llama" && app.count("--overlap") + app.count("--no-overlap") == 0)
     o.overlap = false;

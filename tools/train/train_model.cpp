@@ -74,10 +74,14 @@ class LlamaTrainModel final : public TrainModel {
   std::shared_ptr<Module> module() const override { return model_; }
   std::string describe() const override {
     const LlamaConfig& c = model_->config();
+    const std::string mlp = c.num_local_experts > 0
+                                ? fmt::format("{} experts (top-{}) of {}", c.num_local_experts,
+                                              c.num_experts_per_tok, c.intermediate_size)
+                                : fmt::format("MLP {}", c.intermediate_size);
     return fmt::format(
-        "{}: {} layers, hidden {}, {} heads ({} KV) of dim {}, MLP {}, vocab {}{}, from {}",
+        "{}: {} layers, hidden {}, {} heads ({} KV) of dim {}, {}, vocab {}{}, from {}",
         c.model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
-        c.num_key_value_heads, c.head_dim, c.intermediate_size, c.vocab_size,
+        c.num_key_value_heads, c.head_dim, mlp, c.vocab_size,
         c.tie_word_embeddings ? " (tied)" : "", from_);
   }
   Json identity() const override {
@@ -92,6 +96,7 @@ class LlamaTrainModel final : public TrainModel {
       plan[a + "k_proj"] = colwise();
       plan[a + "v_proj"] = colwise();
       plan[a + "o_proj"] = rowwise();
+      if (model_->config().num_local_experts > 0) continue;  // experts: replicated over tp
       plan[m + "gate_proj"] = colwise();
       plan[m + "up_proj"] = colwise();
       plan[m + "down_proj"] = rowwise();
@@ -104,10 +109,10 @@ class LlamaTrainModel final : public TrainModel {
       out.push_back(model_->model()->layer(i)->self_attn());
     return out;
   }
-  bool has_experts() const override { return false; }
+  bool has_experts() const override { return model_->config().num_local_experts > 0; }
   nn::AuxOutput forward(const Tensor& tokens, const std::vector<int64_t>& positions) override {
     nn::PositionScope scope(positions);
-    return {(*model_)(tokens), Tensor()};
+    return nn::call_with_aux(*model_, Args{tokens});
   }
 
  private:

@@ -17,7 +17,8 @@
 //          config.json, optionally starting from a checkpoint's weights;
 //          a rank declares its tokens' global positions around the forward
 //          (Note [Rotary positions]), so every CP layout sees the right
-//          rotation. Dense: no experts, so --ep 1.
+//          rotation. Dense (--ep 1, no dual-pipe overlap), or Mixtral, whose
+//          experts take expert parallelism and the overlap as moe's do.
 #pragma once
 
 #include <cstdint>

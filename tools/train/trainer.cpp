@@ -509,13 +509,17 @@ void validate(const TrainOptions& o, int world_size) {
   TANDEM_CHECK(o.model_type == "llama" || (o.llama_config.empty() && o.init_from.empty()),
                "[train] --config and --init-from apply to --model llama, got --model {}",
                o.model_type);
-  int64_t heads = 0;
+  int64_t heads = 0, experts = 0;
   if (o.model_type == "llama") {
     const LlamaConfig c = llama_config(o);
     heads = c.num_attention_heads;
-    TANDEM_CHECK(o.ep == 1,
-                 "[train] --model llama is dense (no experts to place): expected --ep 1, got {}",
-                 o.ep);
+    experts = c.num_local_experts;
+    TANDEM_CHECK(experts > 0 || o.ep == 1,
+                 "[train] --model llama with a dense config ({}) has no experts to place: "
+                 "expected --ep 1, got {}",
+                 c.model_type, o.ep);
+    TANDEM_CHECK(experts == 0 || experts % o.ep == 0,
+                 "[train] expected --ep {} to divide the config's {} experts", o.ep, experts);
     TANDEM_CHECK(c.num_attention_heads % o.tp == 0 && c.num_key_value_heads % o.tp == 0 &&
                      c.intermediate_size % o.tp == 0,
                  "[train] expected --tp {} to divide the config's {} attention heads, {} KV heads "
@@ -524,6 +528,7 @@ void validate(const TrainOptions& o, int world_size) {
   } else {
     const ModelConfig& m = o.model;
     heads = m.heads;
+    experts = m.experts;
     TANDEM_CHECK(m.d_model > 0 && m.layers > 0 && m.heads > 0 && m.hidden > 0,
                  "[train] expected positive --d-model, --layers, --heads, --hidden, got {}, {}, "
                  "{}, {}",
@@ -568,9 +573,9 @@ void validate(const TrainOptions& o, int world_size) {
                o.cp_mode);
   TANDEM_CHECK(o.micro_batches >= 1, "[train] expected --micro-batches >= 1, got {}",
                o.micro_batches);
-  TANDEM_CHECK(!o.overlap || o.model_type == "moe",
+  TANDEM_CHECK(!o.overlap || experts > 0,
                "[train] --overlap pairs each side's expert all-to-all with the other side's "
-               "compute, and --model {} has no experts: expected --no-overlap",
+               "compute, and this --model {} has no experts: expected --no-overlap",
                o.model_type);
   TANDEM_CHECK(!o.overlap || o.micro_batches >= 2,
                "[train] --overlap pairs the backward of one micro-batch with the forward of the "
