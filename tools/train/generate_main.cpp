@@ -4,7 +4,7 @@
 // sampling and a KV cache (tools/train/generate.h), and prints the text when
 // the directory (or --tokenizer) has a tokenizer.json, else the token ids.
 //
-//   python3 tools/tokenize_text.py --model DIR --text "Once upon a time" prompt.bin
+//   python3 tools/tokenize_text.py --tokenizer DIR --prompt "Once upon a time" -o prompt.bin
 //   tandem-generate DIR --prompt-file prompt.bin --max-new-tokens 64 --top-p 0.9
 #include <fmt/format.h>
 #include <fmt/ranges.h>
