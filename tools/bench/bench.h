@@ -187,10 +187,12 @@ int run_tensor(const Options& options);
 int run_autograd(const Options& options);  // bench_autograd.cpp
 // `autograd --device cuda` (run_autograd dispatches to it).
 int run_autograd_cuda(const Options& options);  // bench_autograd_cuda.cpp
-int run_comm(const Options& options);           // bench_comm.cpp
-int run_dtensor(const Options& options);        // bench_dtensor.cpp
-int run_cp(const Options& options);             // bench_cp.cpp (--backend mpi: bench_cp_plain.cpp)
-int run_overlap(const Options& options);        // bench_overlap.cpp
+// The llama-block rows of `tandem-bench autograd` (bench_autograd_llama.cpp).
+void bench_llama_block(Report& report, const Options& options);
+int run_comm(const Options& options);     // bench_comm.cpp
+int run_dtensor(const Options& options);  // bench_dtensor.cpp
+int run_cp(const Options& options);       // bench_cp.cpp (--backend mpi: bench_cp_plain.cpp)
+int run_overlap(const Options& options);  // bench_overlap.cpp
 // Every sub-benchmark's --quick run in this process, as one JSON document
 // written to `json_path` (stdout when empty); progress on stderr.
 int run_all(const std::string& json_path);  // bench_all.cpp

@@ -9,6 +9,9 @@
 //              attention, SwiGLU MLP) at 1 and 2 threads against each
 //              baseline's best thread setting, tandem's 2-thread step against
 //              its 1-thread step, and the step's peak memory
+//   llama-block  forward+backward of one Llama decoder layer (RMSNorm, GQA
+//              with RoPE, SwiGLU) at 1 and 2 threads against PyTorch's best
+//              (bench_autograd_llama.cpp, Note [Llama block benchmark])
 //
 // The baselines, LibTorch 1.13 and PyTorch 2.x (Note [Autograd baselines]),
 // run in processes of their own so that their OpenMP threads never share the
@@ -631,6 +634,7 @@ int run_autograd(const Options& options) {
     row.error = e.what();
     report.add(std::move(row));
   }
+  bench_llama_block(report, options);
   return report.finish();
 }
 

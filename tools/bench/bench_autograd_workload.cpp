@@ -11,7 +11,6 @@
 #include "tandem/runtime/stream.h"
 
 namespace tandem::bench::autograd_workload {
-namespace {
 
 std::vector<float> workload_values(uint64_t salt, int64_t n, float scale, float offset) {
   std::vector<float> v(static_cast<size_t>(n));
@@ -26,11 +25,13 @@ std::vector<float> workload_values(uint64_t salt, int64_t n, float scale, float 
   return v;
 }
 
-Tensor workload_tensor(uint64_t salt, const Shape& shape, float scale, float offset = 0.0f,
-                       Device device = Device::cpu()) {
+Tensor workload_tensor(uint64_t salt, const Shape& shape, float scale, float offset,
+                       Device device) {
   Tensor t = ops::from_vector<float>(workload_values(salt, shape.numel(), scale, offset), shape);
   return device.is_cpu() ? t : ops::to(t, device);
 }
+
+namespace {
 
 Tensor leaf(Tensor t) {
   set_requires_grad(t);

@@ -32,6 +32,12 @@ inline constexpr double kBlockTargetMax = 0.8;
 
 using Clock = std::chrono::steady_clock;
 
+// Note [Autograd benchmark workload]'s values: n of them for `salt`, and a
+// tensor of them (made on the CPU, then copied to `device`).
+std::vector<float> workload_values(uint64_t salt, int64_t n, float scale, float offset);
+Tensor workload_tensor(uint64_t salt, const Shape& shape, float scale, float offset = 0.0f,
+                       Device device = Device::cpu());
+
 double seconds(Clock::time_point a, Clock::time_point b);
 double median_of(std::vector<double> v);
 void synchronize_cpu();

@@ -15,10 +15,15 @@ GPU, synchronising with torch.cuda.synchronize() at the end of each phase, and
 fails when PyTorch has no CUDA. For f32 inputs scaled_dot_product_attention
 runs the memory-efficient kernel there (flash attention takes f16/bf16 only).
 
+With --llama it measures one Llama decoder layer instead (RMSNorm,
+grouped-query attention with the rotary embedding, SwiGLU; Note [Llama block
+benchmark] in bench_autograd_llama.cpp), at 1 and 2 threads, written with
+torch.nn.functional as transformers' eager LlamaDecoderLayer computes it.
+
 A comparison tool only, never a dependency of tandem or of its tests.
 
   pytorch_autograd.py [--chain-trials N] [--block-trials N] [--min-trial-ms X]
-                      [--device cpu|cuda]
+                      [--device cpu|cuda] [--llama]
 """
 import argparse
 import json
@@ -157,6 +162,74 @@ class Block:
         return values
 
 
+class LlamaBlock:
+    """Note [Llama block benchmark]: the layer of tools/train/llama.h, same bits."""
+    B, S, D, H, KV, DH, INNER, EPS, THETA = 4, 256, 256, 8, 4, 32, 768, 1e-6, 10000.0
+
+    def __init__(self):
+        B, S, D, H, KV, DH, INNER = self.B, self.S, self.D, self.H, self.KV, self.DH, self.INNER
+        self.ln1 = leaf(workload_tensor(11, [D], 0.125, 1.0))
+        self.wq = leaf(workload_tensor(12, [H * DH, D], 1.0 / 16))
+        self.wk = leaf(workload_tensor(13, [KV * DH, D], 1.0 / 16))
+        self.wv = leaf(workload_tensor(14, [KV * DH, D], 1.0 / 16))
+        self.wo = leaf(workload_tensor(15, [D, H * DH], 1.0 / 16))
+        self.ln2 = leaf(workload_tensor(16, [D], 0.125, 1.0))
+        self.wg = leaf(workload_tensor(17, [INNER, D], 1.0 / 16))
+        self.wu = leaf(workload_tensor(18, [INNER, D], 1.0 / 16))
+        self.wd = leaf(workload_tensor(19, [D, INNER], 1.0 / 32))
+        self.x = workload_tensor(20, [B, S, D], 1.0)
+        # Rotary tables in f64, rounded once (as tandem's rope_tables).
+        inv = 1.0 / self.THETA ** (torch.arange(0, DH, 2, dtype=torch.float64) / DH)
+        angle = torch.arange(S, dtype=torch.float64)[:, None] * inv[None, :]
+        angle = torch.cat([angle, angle], dim=-1)
+        self.cos, self.sin = angle.cos().float(), angle.sin().float()
+
+    def params(self):
+        return [self.ln1, self.wq, self.wk, self.wv, self.wo, self.ln2, self.wg, self.wu,
+                self.wd]
+
+    def rms(self, x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.EPS))
+
+    def rotate(self, t):  # (B, heads, S, DH)
+        half = self.DH // 2
+        return t * self.cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * self.sin
+
+    def loss(self):
+        B, S, H, KV, DH = self.B, self.S, self.H, self.KV, self.DH
+        h = self.rms(self.x, self.ln1)
+        q = F.linear(h, self.wq).view(B, S, H, DH).transpose(1, 2)
+        k = F.linear(h, self.wk).view(B, S, KV, DH).transpose(1, 2)
+        v = F.linear(h, self.wv).view(B, S, KV, DH).transpose(1, 2)
+        a = F.scaled_dot_product_attention(self.rotate(q), self.rotate(k), v, is_causal=True,
+                                           enable_gqa=True)
+        y = self.x + F.linear(a.transpose(1, 2).reshape(B, S, H * DH), self.wo)
+        h = self.rms(y, self.ln2)
+        m = F.linear(F.silu(F.linear(h, self.wg)) * F.linear(h, self.wu), self.wd)
+        return (y + m).mean()
+
+    step = Block.step
+    check = Block.check
+    synchronize = staticmethod(lambda: None)
+
+
+def main_llama(args):
+    block = LlamaBlock()
+    torch.set_num_threads(1)
+    out = {"program": "pytorch_autograd.py --llama", "torch_version": torch.__version__,
+           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+           "check": block.check()}
+    threads = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        t = measure(block.step, args.block_trials, args.min_trial_ms * 1e-3)
+        t["threads"] = n
+        threads.append(t)
+    out["llama_block"] = {"threads": threads}
+    print(json.dumps(out))
+    return 0
+
+
 def median(v):
     v = sorted(v)
     n = len(v)
@@ -204,6 +277,7 @@ def main():
     parser.add_argument("--block-trials", type=int, default=7)
     parser.add_argument("--min-trial-ms", type=float, default=20.0)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--llama", action="store_true", help="the Llama decoder layer instead")
     args = parser.parse_args()
     if args.chain_trials < 1 or args.block_trials < 1 or not args.min_trial_ms > 0:
         parser.error("expected positive trial counts and --min-trial-ms")
@@ -213,6 +287,8 @@ def main():
         return 1
     if args.device == "cuda":
         return main_cuda(args)
+    if args.llama:
+        return main_llama(args)
 
     out = {
         "program": "pytorch_autograd.py",
