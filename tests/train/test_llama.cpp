@@ -140,7 +140,8 @@ TEST_CASE("a Llama checkpoint saved by tandem loads back bit for bit, sharded or
   }
 }
 
-TEST_CASE("a Llama model under context parallelism gives the single-rank logits", "[llama][cp]") {
+TEST_CASE("a Llama model under context parallelism gives transformers' logits, loss, gradients",
+          "[llama][cp]") {
   auto reference = load_fixture("llama3-scaled");
   SafetensorsFile ref = load_safetensors(fixture("llama3-scaled") + "/reference.safetensors");
   const Tensor tokens = ref.at("input_ids");
@@ -165,7 +166,35 @@ TEST_CASE("a Llama model under context parallelism gives the single-rank logits"
         cp.apply(model->model()->layer(i)->self_attn()->core(), mesh);
       nn::PositionScope scope(sequence_positions(S, 2, r, l.load_balance));
       Tensor logits = (*model)(shard_sequence(tokens, 1, 2, r, l.load_balance));
-      errors[r] = compare(logits, shard_sequence(want, 1, 2, r, l.load_balance), 1e-5, 1e-5);
+      std::string e = compare(logits, shard_sequence(want, 1, 2, r, l.load_balance), 1e-5, 1e-5);
+      // The loss: each rank scores its tokens against the next token of the
+      // whole sequence (the last position scores nothing), weighted by its
+      // share; the ranks' losses and gradients sum to transformers'.
+      Tensor targets = ops::cat(
+          {ops::narrow(tokens, 1, 1, S - 1), ops::full({tokens.shape()[0], 1}, -100.0, DType::I64)},
+          1);
+      Tensor local_targets = ops::reshape(shard_sequence(targets, 1, 2, r, l.load_balance), {-1});
+      const double scored =
+          ops::sum(ops::to(ops::ne(local_targets, -100.0), DType::F64)).item_double();
+      const double total = static_cast<double>(tokens.shape()[0] * (S - 1));
+      Tensor loss = mul(cross_entropy(reshape(logits, {-1, logits.shape()[2]}), local_targets),
+                        scored / total);
+      backward(loss);
+      auto summed = [&](const Tensor& t) {
+        WorkPtr w = pg->all_reduce(ops::clone(t), {});
+        w->wait();
+        return w->result();
+      };
+      if (e.empty()) e = compare(reshape(summed(loss), Shape{1}), ref.at("loss"), 1e-4, 0);
+      int checked = 0;
+      for (const auto& [pname, p] : model->named_parameters()) {
+        if (!e.empty() || !ref.contains("grad." + pname)) continue;
+        e = compare(summed(grad(p)), ref.at("grad." + pname), 1e-4, 1e-6);
+        if (!e.empty()) e = pname + ": " + e;
+        ++checked;
+      }
+      if (checked < 5) e += fmt::format(" only {} gradients checked", checked);
+      errors[r] = e;
     });
     CHECK(errors[0] == "");
     CHECK(errors[1] == "");

@@ -2,13 +2,15 @@
 """tandem-train under `mpirun -n 4 --backend mpi`, end to end: it trains,
 saves checkpoints, resumes with the same losses, resumes on another layout,
 writes a merged trace of all ranks and exports whole tensors; a bad layout
-fails with a clear message. One JUnit test case per check (tools/junit_summary.py).
+fails with a clear message; the Llama and Mixtral fixtures fine-tune on a
+token file with the losses of the same layout on rank threads. One JUnit test case per check (tools/junit_summary.py).
 
 usage: train_mpi.py MPIRUN TANDEM_TRAIN JUNIT_OUT"""
 import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -110,12 +112,39 @@ def fault(kind, expect):
     return check
 
 
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "hf")
+
+
+def llama_layouts_match_rank_threads():
+    # A token file the 48-token fixtures can read (llm.c layout, uint16).
+    text = b"the quick brown fox jumps over the lazy dog. a stitch in time saves nine. " * 20
+    ids = [1 + b % 47 for b in text]
+    data = os.path.join(tmp, "text.bin")
+    with open(data, "wb") as f:
+        f.write(struct.pack("<256i", 20240520, 1, len(ids), *([0] * 253)))
+        f.write(struct.pack(f"<{len(ids)}H", *ids))
+    for name, layout in (("llama", ["--cp", "2", "--tp", "2", "--cp-mode", "ring",
+                                    "--cp-load-balance"]),
+                         ("mixtral", ["--ep", "2", "--cp", "2", "--overlap"])):
+        args = ["--model", "llama", "--config", os.path.join(FIXTURES, name, "config.json"),
+                "--init-from", os.path.join(FIXTURES, name), "--data", data, "--seq-len", "32",
+                "--batch", "2", "--steps", "5", "--progress", "plain", "--log-every", "1"] + layout
+        mpi = losses(run(["--backend", "mpi"] + args).stdout)
+        p = subprocess.run([train, "--backend", "threads"] + args, capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        threads = losses(p.stdout)
+        assert sorted(mpi) == [1, 2, 3, 4, 5], mpi
+        assert mpi == threads, f"{name}: mpirun {mpi} vs rank threads {threads}"
+
+
 case("trains and saves under mpirun", trains_and_saves)
 case("resumes bit-exactly", resumes_bit_exact)
 case("resumes on another layout", resumes_on_another_layout)
 case("writes a merged trace", trace_has_every_rank)
 case("exports whole tensors", exports)
 case("a bad layout is a clear error", bad_layout_fails)
+case("Llama and Mixtral under mpirun: the rank threads' losses", llama_layouts_match_rank_threads)
 case("a rank that throws stops the job", fault("forward", "injected fault 'forward' on rank 2"))
 case("a rank that dies stops the job", fault("exit", "the process exits now"))
 case("a rank that never arrives: the watchdog fires", fault("hang", "within 5000 ms"))
