@@ -1,8 +1,14 @@
 #include "tandem/autograd/engine.h"
 
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <mutex>
 #include <queue>
 #include <unordered_map>
 #include <unordered_set>
+
+#include "tandem/autograd/grad_ready.h"
 
 #include "tandem/runtime/error.h"
 #include "tandem/runtime/trace.h"
@@ -30,6 +36,34 @@ Tensor apply_hooks(const std::vector<std::pair<int, GradHook>>& hooks, Tensor g)
   return g;
 }
 
+// Note [Gradient-ready hooks] (autograd/grad_ready.h): the registry.
+struct ReadyHook {
+  int handle = 0;
+  Tensor leaf;  // a handle on the leaf, passed to the hook
+  GradReadyHook hook;
+};
+
+struct ReadyHooks {
+  std::mutex mu;
+  std::unordered_map<AutogradMeta*, std::vector<ReadyHook>> by_leaf;
+  std::unordered_map<int, AutogradMeta*> leaf_of;
+  int next = 1;
+  std::atomic<int> count{0};
+};
+
+ReadyHooks& ready_hooks() {
+  static ReadyHooks* hooks = new ReadyHooks();  // outlives every thread's last backward
+  return *hooks;
+}
+
+// The hooks of `leaf` now (a copy: a hook may register or remove hooks).
+std::vector<ReadyHook> ready_hooks_of(AutogradMeta* leaf) {
+  ReadyHooks& r = ready_hooks();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.by_leaf.find(leaf);
+  return it == r.by_leaf.end() ? std::vector<ReadyHook>{} : it->second;
+}
+
 // The replay. With `capture` set, gradients of those leaves/nodes are returned
 // instead of being accumulated into .grad.
 struct Replay {
@@ -39,6 +73,59 @@ struct Replay {
   std::priority_queue<Node*, std::vector<Node*>, BySequence> ready;
   std::unordered_set<Node*> queued;
   std::vector<std::shared_ptr<Node>> keep;  // nodes alive during the replay
+  // Hooked leaves not yet finished, by the sequence number of their oldest
+  // consumer (Note [Gradient-ready hooks]); newest threshold on top.
+  std::priority_queue<std::pair<uint64_t, AutogradMeta*>> pending_ready;
+  std::unordered_set<AutogradMeta*> finished;
+
+  // backward() only: finds the hooked leaves reachable from the queued roots.
+  void plan_ready_hooks() {
+    if (ready_hooks().count.load(std::memory_order_acquire) == 0) return;
+    std::unordered_map<AutogradMeta*, uint64_t> oldest;
+    std::unordered_set<Node*> seen;
+    std::vector<Node*> stack(keep.size());
+    for (size_t i = 0; i < keep.size(); ++i)
+      stack[i] = keep[i].get();
+    while (!stack.empty()) {
+      Node* n = stack.back();
+      stack.pop_back();
+      if (!seen.insert(n).second) continue;
+      for (const Edge& e : n->next_edges()) {
+        if (e.fn) {
+          stack.push_back(e.fn.get());
+        } else if (e.leaf) {
+          auto [it, fresh] = oldest.try_emplace(e.leaf.get(), n->sequence_nr());
+          if (!fresh) it->second = std::min(it->second, n->sequence_nr());
+        }
+      }
+    }
+    for (const auto& leaf : leaf_order)  // roots that are leaves, consumed by no node
+      oldest.try_emplace(leaf.get(), std::numeric_limits<uint64_t>::max());
+    ReadyHooks& r = ready_hooks();
+    std::lock_guard<std::mutex> lock(r.mu);
+    for (const auto& [leaf, seq] : oldest) {
+      if (r.by_leaf.count(leaf)) pending_ready.push({seq, leaf});
+    }
+  }
+
+  // Finishes the leaves no queued node can reach any more.
+  void finish_ready_leaves() {
+    const uint64_t newest_queued = ready.empty() ? 0 : ready.top()->sequence_nr();
+    while (!pending_ready.empty() && (ready.empty() || pending_ready.top().first > newest_queued)) {
+      AutogradMeta* leaf = pending_ready.top().second;
+      pending_ready.pop();
+      auto it = leaf_grads.find(leaf);
+      if (it == leaf_grads.end()) continue;  // no gradient this backward
+      Tensor g = apply_hooks(leaf->leaf_hooks, it->second);
+      {
+        std::lock_guard<std::mutex> lock(leaf->mu);
+        leaf->grad = leaf->grad.defined() ? ops::add(leaf->grad, g) : g;
+      }
+      finished.insert(leaf);
+      for (const ReadyHook& h : ready_hooks_of(leaf))
+        h.hook(h.leaf);
+    }
+  }
 
   void send(const Edge& e, const Tensor& g) {
     if (!g.defined() || !e.valid()) return;
@@ -94,6 +181,7 @@ struct Replay {
         node->release_saved();
         node->mark_released();
       }
+      if (!pending_ready.empty()) finish_ready_leaves();
     }
   }
 };
@@ -140,8 +228,11 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
   TraceSpan span("autograd", "backward");
   Replay replay;
   seed(replay, roots, grads);
+  replay.plan_ready_hooks();
   replay.run(options);
+  replay.finish_ready_leaves();  // what the last node reached, and roots that are leaves
   for (const auto& leaf : replay.leaf_order) {
+    if (replay.finished.count(leaf.get())) continue;
     Tensor g = apply_hooks(leaf->leaf_hooks, replay.leaf_grads[leaf.get()]);
     std::lock_guard<std::mutex> lock(leaf->mu);
     leaf->grad = leaf->grad.defined() ? ops::add(leaf->grad, g) : g;
@@ -154,6 +245,38 @@ void backward(const Tensor& loss, const BackwardOptions& options) {
                "gradients for non-scalar roots)",
                loss.defined() ? loss.shape() : Shape{});
   backward({loss}, {ops::ones_like(loss)}, options);
+}
+
+int register_grad_ready_hook(const Tensor& leaf, GradReadyHook hook) {
+  TANDEM_CHECK(leaf.defined() && requires_grad(leaf) && !grad_fn(leaf),
+               "[autograd::register_grad_ready_hook] expected a leaf that requires grad (a "
+               "parameter), got {}",
+               !leaf.defined()        ? "an undefined tensor"
+               : !requires_grad(leaf) ? "a tensor that does not require grad"
+                                      : "a tensor computed by an op (it has a grad_fn)");
+  TANDEM_CHECK(hook != nullptr, "[autograd::register_grad_ready_hook] expected a hook, got none");
+  ReadyHooks& r = ready_hooks();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const int handle = r.next++;
+  AutogradMeta* meta = autograd_meta(leaf);
+  r.by_leaf[meta].push_back({handle, leaf, std::move(hook)});
+  r.leaf_of[handle] = meta;
+  r.count.fetch_add(1, std::memory_order_release);
+  return handle;
+}
+
+void remove_grad_ready_hook(int handle) {
+  ReadyHooks& r = ready_hooks();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.leaf_of.find(handle);
+  if (it == r.leaf_of.end()) return;
+  auto& hooks = r.by_leaf[it->second];
+  hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                             [&](const ReadyHook& h) { return h.handle == handle; }),
+              hooks.end());
+  if (hooks.empty()) r.by_leaf.erase(it->second);
+  r.leaf_of.erase(it);
+  r.count.fetch_sub(1, std::memory_order_release);
 }
 
 std::vector<Tensor> gradients(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,

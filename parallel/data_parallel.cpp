@@ -13,9 +13,6 @@
 
 namespace tandem {
 
-namespace {
-
-// The dims of `dims` that `param` is replicated over.
 std::vector<std::string> replicated_dims(const Tensor& param,
                                          const std::vector<std::string>& dims) {
   const std::shared_ptr<const ParamPlacement> placement = param_placement(param);
@@ -32,6 +29,8 @@ int64_t ranks_over(const DeviceMesh& mesh, const std::vector<std::string>& dims)
     n *= mesh.size(d);
   return n;
 }
+
+namespace {
 
 Tensor all_reduced(const Tensor& t, const ProcessGroupPtr& group, RedOp op, const char* what) {
   WorkPtr w = group->all_reduce(t, {op, what});

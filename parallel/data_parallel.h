@@ -24,6 +24,11 @@
 
 namespace tandem {
 
+// The dims of `dims` that `param` is replicated over (not split over by its
+// placement: Note [Parameter placements]), and the number of ranks they span.
+std::vector<std::string> replicated_dims(const Tensor& param, const std::vector<std::string>& dims);
+int64_t ranks_over(const DeviceMesh& mesh, const std::vector<std::string>& dims);
+
 // Reduces the gradient of every parameter of `params` over the dims of
 // `data_dims` (of `mesh`) that the parameter is replicated over, one flat
 // bucket (one all_reduce) per distinct set of dims, in the order the sets

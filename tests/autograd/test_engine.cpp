@@ -18,6 +18,7 @@
 
 #include "tandem/autograd/engine.h"
 #include "tandem/autograd/function.h"
+#include "tandem/autograd/grad_ready.h"
 #include "tandem/autograd/ops.h"
 #include "tandem/runtime/error.h"
 #include "tandem/runtime/stream.h"
@@ -485,4 +486,46 @@ TEST_CASE("engine: a tape replayed on another thread while the first records the
   REQUIRE(got[1].defined());
   CHECK(ops::equal(got[0], expect[0]));
   CHECK(ops::equal(got[1], expect[1]));
+}
+
+TEST_CASE("engine: gradient-ready hooks fire as each leaf's gradient completes", "[engine]") {
+  // y = tanh(x * w1) * w2; loss = sum(y * w1): w1 is used first and last.
+  Tensor x = leaf(Shape{4}, 21), w1 = leaf(Shape{4}, 22), w2 = leaf(Shape{4}, 23);
+  Tensor unused = leaf(Shape{2}, 24);
+  std::vector<std::string> order;
+  std::vector<bool> w1_done_at_w2;  // had w1 its gradient when w2's hook ran?
+  Tensor w1_at_hook;
+  int h1 = register_grad_ready_hook(w1, [&](const Tensor& p) {
+    order.push_back("w1");
+    w1_at_hook = ops::clone(grad(p));
+  });
+  int h2 = register_grad_ready_hook(w2, [&](const Tensor&) {
+    order.push_back("w2");
+    w1_done_at_w2.push_back(grad(w1).defined());
+  });
+  int hu = register_grad_ready_hook(unused, [&](const Tensor&) { order.push_back("unused"); });
+  backward(sum(mul(mul(tanh(mul(x, w1)), w2), w1)));
+  // w2 is complete once the last product's backward ran; w1 only once the
+  // first op's did: w2 first, and while w2's hook ran w1 had no gradient.
+  REQUIRE(order == std::vector<std::string>{"w2", "w1"});
+  CHECK(w1_done_at_w2 == std::vector<bool>{false});
+  // The hook saw w1's whole gradient (both uses), as the backward left it.
+  CHECK(ops::equal(w1_at_hook, grad(w1)));
+  Tensor w1_ref = detach(w1), x_ref = detach(x), w2_ref = detach(w2);
+  set_requires_grad(w1_ref);
+  backward(sum(mul(mul(tanh(mul(x_ref, w1_ref)), w2_ref), w1_ref)));
+  CHECK(ops::equal(grad(w1), grad(w1_ref)));
+  // gradients() leaves grad() alone and calls no ready hook; removed hooks
+  // are not called.
+  order.clear();
+  gradients({sum(mul(w1, w2))}, {w1, w2});
+  CHECK(order.empty());
+  remove_grad_ready_hook(h1);
+  remove_grad_ready_hook(h2);
+  remove_grad_ready_hook(hu);
+  backward(sum(mul(w1, w2)));
+  CHECK(order.empty());
+  CHECK_THROWS_WITH(register_grad_ready_hook(mul(w1, 2.0), [](const Tensor&) {}),
+                    Contains("expected a leaf that requires grad (a parameter), got a tensor "
+                             "computed by an op"));
 }

@@ -58,6 +58,10 @@ Command parse_command_line(const std::vector<std::string>& args) {
   app.add_option("--micro-batches", o.micro_batches, "micro-batches per step")
       ->check(CLI::Range(1, 4096))
       ->group(layout);
+  app.add_option("--grad-bucket-mb", o.grad_bucket_mb,
+                 "gradient buckets reduced while the last micro-batch's backward runs (MiB)")
+      ->check(CLI::PositiveNumber)
+      ->group(layout);
   app.add_flag("--overlap,!--no-overlap", o.overlap,
                "dual-pipe schedule: backward of micro-batch i with forward of i+1 (default on)")
       ->group(layout);

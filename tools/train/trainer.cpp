@@ -22,6 +22,7 @@
 #include "tandem/parallel/checkpoint.h"
 #include "tandem/parallel/context_parallel.h"
 #include "tandem/parallel/data_parallel.h"
+#include "tandem/parallel/ddp.h"
 #include "tandem/parallel/device_mesh.h"
 #include "tandem/parallel/dual_pipe.h"
 #include "tandem/parallel/param_placement.h"
@@ -60,6 +61,7 @@ struct Rank {
   optim::NamedParams params;    // this rank's pieces, placed (Note [Parameter placements])
   std::vector<Tensor> tensors;  // the same, without names
   std::unique_ptr<optim::AdamW> optimizer;
+  std::unique_ptr<DistributedDataParallel> ddp;  // gradient reduction (Note [DDP buckets])
 
   Rank(const TrainOptions& o, const Task& t, ProcessGroupPtr w)
       : options(o), task(t), world(std::move(w)), device(Device::parse(o.device)) {}
@@ -131,6 +133,12 @@ void build(Rank& r) {
   r.params = module->named_parameters();
   for (const auto& [name, p] : r.params)
     r.tensors.push_back(p);
+  // Note [Training layout]: summed over the data ranks each parameter is
+  // replicated over (experts: not over ep), bucket by bucket as the last
+  // micro-batch's backward produces them.
+  r.ddp = std::make_unique<DistributedDataParallel>(
+      r.params, r.mesh, std::vector<std::string>{"dp", "ep", "cp"},
+      DDPOptions{.bucket_bytes = static_cast<int64_t>(o.grad_bucket_mb * (1 << 20))});
   r.optimizer = std::make_unique<optim::AdamW>(
       r.params,
       optim::AdamWOptions{
@@ -222,6 +230,13 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
     Tensor loss = div(ce_sum, scored_global);
     if (aux_loss.defined()) loss = add(loss, mul(aux_loss, o.aux_weight / replicas));
     loss = div(loss, static_cast<double>(o.micro_batches));
+    if (i == o.micro_batches - 1) {
+      // The last micro-batch's backward reduces what all of them accumulated.
+      register_hook(loss, [&r](const Tensor& g) {
+        r.ddp->set_sync(true);
+        return g;
+      });
+    }
     if (i == 0 && fault.kind == "backward") {
       register_hook(loss, [&r, &fault, step](const Tensor& g) {
         maybe_fault(r, fault, step, "backward");
@@ -230,6 +245,7 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
     }
     return loss;
   };
+  r.ddp->set_sync(false);
   if (r.pipe) {
     r.pipe->run(o.micro_batches, forward, o.overlap);
   } else {
@@ -237,9 +253,7 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
   }
   maybe_fault(r, fault, step, "step-end");
 
-  // Note [Training layout]: summed over the data ranks each parameter is
-  // replicated over (experts: not over ep), then clipped by the global norm.
-  reduce_gradients(r.tensors, r.mesh, {"dp", "ep", "cp"});
+  r.ddp->finish();  // then clipped by the global norm
   const double norm = clip_grad_norm(r.tensors, r.mesh, o.clip);
   r.optimizer->step();
   r.optimizer->zero_grad();

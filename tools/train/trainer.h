@@ -28,8 +28,9 @@
 // got no token) contribute zeros, so every rank launches the same reductions
 // and every parameter's optimizer state advances on every step. Clipping uses
 // the global norm, each element of the whole model counted once. Both read
-// the placements the styles recorded (reduce_gradients and clip_grad_norm,
-// parallel/data_parallel.h; Note [Parameter placements]).
+// the placements the styles recorded (DistributedDataParallel, parallel/ddp.h,
+// whose buckets launch during the last micro-batch's backward, and
+// clip_grad_norm, parallel/data_parallel.h; Note [Parameter placements]).
 #pragma once
 
 #include <cstdint>
@@ -59,6 +60,9 @@ struct TrainOptions {
   std::string cp_async = "auto";
   int micro_batches = 2;
   bool overlap = true;  // the dual-pipe schedule
+  // Gradient buckets reduced during the last micro-batch's backward (Note
+  // [DDP buckets] in parallel/ddp.h), in MiB.
+  double grad_bucket_mb = 25;
   // model and task (Note [Training models] in tools/train/train_model.h)
   std::string model_type = "moe";  // moe | llama
   ModelConfig model;               // moe: vocab and max_seq come from the task
