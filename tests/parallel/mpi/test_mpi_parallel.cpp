@@ -8,6 +8,8 @@
 #include "tandem/autograd/ops.h"
 #include "tandem/comm/backend.h"
 #include "tandem/parallel/context_parallel.h"
+#include "tandem/parallel/data_parallel.h"
+#include "tandem/parallel/ddp.h"
 #include "tandem/parallel/dtensor.h"
 #include "tandem/parallel/dual_pipe.h"
 #include "tests/comm/mpi/mpi_test_util.h"
@@ -149,4 +151,36 @@ TEST_CASE("dual-pipe schedule with expert parallel is bit-identical to sequentia
   for (size_t i = 0; i < grads[0].size(); ++i)
     CHECK(ops::equal(grads[0][i], grads[1][i]));
   tandem::test::check_all_ranks_passed();
+}
+
+TEST_CASE("bucketed DDP equals reduce_gradients and the one-rank gradient (MPI)", "[mpi][ddp]") {
+  ProcessGroupPtr pg = world();
+  DeviceMesh mesh(pg, {4}, {"dp"});
+  Generator gen(8);
+  const Tensor w1_init = ops::randn({16, 16}, gen), w2_init = ops::randn({16, 16}, gen);
+  const Tensor b_init = ops::randn({16}, gen), batch = ops::randn({8, 16}, gen);
+  auto make = [&] {
+    std::vector<std::pair<std::string, Tensor>> p = {
+        {"w1", ops::clone(w1_init)}, {"w2", ops::clone(w2_init)}, {"b", ops::clone(b_init)}};
+    for (auto& [name, t] : p)
+      set_requires_grad(t);
+    return p;
+  };
+  auto loss = [](const std::vector<std::pair<std::string, Tensor>>& p, const Tensor& x) {
+    return sum(add(tanh(matmul(tanh(matmul(x, p[0].second)), p[1].second)), p[2].second));
+  };
+  const Tensor mine = ops::narrow(batch, 0, 2 * pg->rank(), 2);
+  auto ddp_params = make(), ref_params = make(), whole = make();
+  DistributedDataParallel ddp(ddp_params, mesh, {"dp"}, {.bucket_bytes = 1});
+  backward(loss(ddp_params, mine));
+  CHECK(ddp.launched() == 3);  // every bucket went out during the backward
+  ddp.finish();
+  backward(loss(ref_params, mine));
+  reduce_gradients({ref_params[0].second, ref_params[1].second, ref_params[2].second}, mesh, {"dp"});
+  backward(loss(whole, batch));
+  for (size_t i = 0; i < 3; ++i) {
+    INFO(ddp_params[i].first);
+    CHECK(ops::allclose(grad(ddp_params[i].second), grad(ref_params[i].second), 1e-6, 1e-6));
+    CHECK(ops::allclose(grad(ddp_params[i].second), grad(whole[i].second), 1e-5, 1e-5));
+  }
 }
