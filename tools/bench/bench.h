@@ -193,6 +193,7 @@ int run_comm(const Options& options);     // bench_comm.cpp
 int run_dtensor(const Options& options);  // bench_dtensor.cpp
 int run_cp(const Options& options);       // bench_cp.cpp (--backend mpi: bench_cp_plain.cpp)
 int run_overlap(const Options& options);  // bench_overlap.cpp
+int run_fsdp(const Options& options);     // bench_fsdp.cpp
 // Every sub-benchmark's --quick run in this process, as one JSON document
 // written to `json_path` (stdout when empty); progress on stderr.
 int run_all(const std::string& json_path);  // bench_all.cpp

@@ -52,6 +52,7 @@ const Sub kSubs[] = {
     {"tensor", run_tensor}, {"autograd", run_autograd},
     {"comm", run_comm},     {"dtensor", run_dtensor},
     {"cp", run_cp},         {"overlap", run_overlap},
+    {"fsdp", run_fsdp},
 };
 
 // The first "key : value" line of a /proc file whose key starts with `key`.

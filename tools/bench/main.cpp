@@ -57,13 +57,17 @@ int main(int argc, char** argv) {
                       "micro-batches per step (default 6, 4 with --quick)");
   overlap->add_option("--trace", options.trace,
                       "write the Chrome trace of one overlapped step to this file");
+  CLI::App* fsdp = app.add_subcommand(
+      "fsdp",
+      "data parallelism's gradient reduction: bucketed DDP during the backward against no "
+      "reduction and the flat one, plain and on a simulated link (4 ranks)");
   std::string all_json;
   CLI::App* all = app.add_subcommand(
       "all",
       "the --quick run of every sub-benchmark above, in this process, as one JSON document "
       "(progress on stderr)");
   all->add_option("--json", all_json, "write the JSON document to this file (default: stdout)");
-  for (CLI::App* sub : {autograd, comm, dtensor, cp, overlap}) {
+  for (CLI::App* sub : {autograd, comm, dtensor, cp, overlap, fsdp}) {
     sub->add_flag("--json", options.json, "print one JSON object instead of the table");
     sub->add_flag("--quick", options.quick, "fewer, shorter trials (a smoke run)");
     sub->add_option("--filter", options.filter, "run only the rows whose name contains this text");
@@ -81,6 +85,7 @@ int main(int argc, char** argv) {
                                       : tandem::bench::run_cp(options);
     }
     if (*overlap) return tandem::bench::run_overlap(options);
+    if (*fsdp) return tandem::bench::run_fsdp(options);
     if (*all) return tandem::bench::run_all(all_json);
   } catch (const std::exception& e) {
     fmt::print(stderr, "tandem-bench: error: {}\n", e.what());
