@@ -201,24 +201,6 @@ TEST_CASE("a Llama model under context parallelism gives transformers' logits, l
   }
 }
 
-// Megatron's plan for the attention (and a dense MLP): what tandem-train uses.
-ParallelizePlan tp_plan(const LlamaConfig& c) {
-  ParallelizePlan plan;
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string a = fmt::format("model.layers.{}.self_attn.", i);
-    const std::string m = fmt::format("model.layers.{}.mlp.", i);
-    plan[a + "q_proj"] = colwise();
-    plan[a + "k_proj"] = colwise();
-    plan[a + "v_proj"] = colwise();
-    plan[a + "o_proj"] = rowwise();
-    if (c.num_local_experts > 0) continue;
-    plan[m + "gate_proj"] = colwise();
-    plan[m + "up_proj"] = colwise();
-    plan[m + "down_proj"] = rowwise();
-  }
-  return plan;
-}
-
 TEST_CASE("under tp 2 and ep 2 the fixtures give transformers' logits, loss and gradients",
           "[llama][tp][ep]") {
   for (const char* name : {"llama", "qwen2", "mixtral"}) {
@@ -233,7 +215,7 @@ TEST_CASE("under tp 2 and ep 2 the fixtures give transformers' logits, loss and 
     run_ranks(2, [&](ProcessGroupPtr pg) {
       const int r = pg->rank();
       auto model = load_fixture(name);
-      parallelize_module(model, DeviceMesh(pg, {2}, {"tp"}), tp_plan(model->config()));
+      parallelize_module(model, DeviceMesh(pg, {2}, {"tp"}), tensor_parallel_plan(model->config()));
       Tensor logits = nn::call_with_aux(*model, Args{tokens}).out;
       std::string e = compare(logits, ref.at("logits"), 1e-4, 1e-5);
       backward(causal_lm_loss(logits, tokens));

@@ -303,6 +303,23 @@ std::vector<Tensor> LlamaForCausalLM::forward(Args& args) {
   return {logits};
 }
 
+ParallelizePlan tensor_parallel_plan(const LlamaConfig& c) {
+  ParallelizePlan plan;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string a = fmt::format("model.layers.{}.self_attn.", i);
+    const std::string m = fmt::format("model.layers.{}.mlp.", i);
+    plan[a + "q_proj"] = colwise();
+    plan[a + "k_proj"] = colwise();
+    plan[a + "v_proj"] = colwise();
+    plan[a + "o_proj"] = rowwise();
+    if (c.num_local_experts > 0) continue;  // experts: replicated over tp
+    plan[m + "gate_proj"] = colwise();
+    plan[m + "up_proj"] = colwise();
+    plan[m + "down_proj"] = rowwise();
+  }
+  return plan;
+}
+
 Tensor causal_lm_loss(const Tensor& logits, const Tensor& tokens) {
   TANDEM_CHECK(logits.dim() == 3 && tokens.dim() == 2 && tokens.shape()[0] == logits.shape()[0] &&
                    tokens.shape()[1] == logits.shape()[1],

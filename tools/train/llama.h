@@ -35,6 +35,7 @@
 #include "tandem/autograd/nn/moe.h"
 #include "tandem/autograd/nn/norm.h"
 #include "tandem/autograd/nn/rope.h"
+#include "tandem/parallel/tensor_parallel.h"
 
 namespace tandem::train {
 
@@ -143,6 +144,11 @@ class LlamaForCausalLM final : public Module {
   std::shared_ptr<LlamaModel> model_;
   std::shared_ptr<nn::Linear> lm_head_;  // null when tied
 };
+
+// Megatron's tensor-parallel plan over the model's names: q/k/v and a dense
+// MLP's gate/up column-wise, o and down row-wise; a Mixtral layer's experts
+// run replicated over tp. What tandem-train applies for --tp.
+ParallelizePlan tensor_parallel_plan(const LlamaConfig& config);
 
 // Mean next-token cross-entropy as transformers computes it with labels =
 // tokens: logits at position s score token s + 1; the last position scores

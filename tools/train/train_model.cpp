@@ -87,22 +87,7 @@ class LlamaTrainModel final : public TrainModel {
   Json identity() const override {
     return {{"type", "llama"}, {"config", model_->config().to_json()}};
   }
-  ParallelizePlan tp_plan() const override {
-    ParallelizePlan plan;
-    for (int64_t i = 0; i < model_->config().num_hidden_layers; ++i) {
-      const std::string a = fmt::format("model.layers.{}.self_attn.", i);
-      const std::string m = fmt::format("model.layers.{}.mlp.", i);
-      plan[a + "q_proj"] = colwise();
-      plan[a + "k_proj"] = colwise();
-      plan[a + "v_proj"] = colwise();
-      plan[a + "o_proj"] = rowwise();
-      if (model_->config().num_local_experts > 0) continue;  // experts: replicated over tp
-      plan[m + "gate_proj"] = colwise();
-      plan[m + "up_proj"] = colwise();
-      plan[m + "down_proj"] = rowwise();
-    }
-    return plan;
-  }
+  ParallelizePlan tp_plan() const override { return tensor_parallel_plan(model_->config()); }
   std::vector<std::shared_ptr<nn::SelfAttention>> attention_layers() const override {
     std::vector<std::shared_ptr<nn::SelfAttention>> out;
     for (int64_t i = 0; i < model_->config().num_hidden_layers; ++i)
