@@ -14,6 +14,7 @@
 #include "tandem/tensor/ops.h"
 #include "tests/support/test_device.h"
 #include "tests/support/test_util.h"
+#include "tests/support/train_util.h"
 #include "tools/train/data.h"
 #include "tools/train/llama.h"
 #include "tools/train/trainer.h"
@@ -21,6 +22,7 @@
 using namespace tandem;
 using namespace tandem::train;
 using Catch::Matchers::Contains;
+using tandem::test::losses;
 using tandem::test::TempDir;
 namespace fs = std::filesystem;
 
@@ -61,13 +63,6 @@ TrainOptions llama_job(const std::string& data) {
   o.progress = "quiet";
   o.device = test::test_device().is_cuda() ? "cuda" : "cpu";
   return o;
-}
-
-std::vector<double> losses(const TrainResult& r) {
-  std::vector<double> out;
-  for (const StepStats& s : r.steps)
-    out.push_back(s.loss);
-  return out;
 }
 
 struct Layout {

@@ -23,12 +23,14 @@
 #include "tandem/tensor/ops.h"
 #include "tests/support/test_device.h"
 #include "tests/support/test_util.h"
+#include "tests/support/train_util.h"
 #include "tools/train/model.h"
 #include "tools/train/options.h"
 #include "tools/train/progress.h"
 #include "tools/train/trainer.h"
 
 using namespace tandem;
+using tandem::test::losses;
 using tandem::test::TempDir;
 using namespace tandem::train;
 namespace fs = std::filesystem;
@@ -51,13 +53,6 @@ TrainOptions tiny() {
   o.progress = "quiet";
   o.device = test::test_device().is_cuda() ? "cuda" : "cpu";
   return o;
-}
-
-std::vector<double> losses(const TrainResult& r) {
-  std::vector<double> out;
-  for (const StepStats& s : r.steps)
-    out.push_back(s.loss);
-  return out;
 }
 
 std::string read_file(const fs::path& p) {

@@ -186,9 +186,9 @@ void bench_llama_block(Report& report, const Options& options) {
       best = t;
   }
   const double tokens = static_cast<double>(kB * kS);
-  std::string text = fmt::format(
-      "\nllama block (forward+backward, tokens/s; PyTorch's best: {} thread{}):", best,
-      best == 1 ? "" : "s");
+  std::string text =
+      fmt::format("\nllama block (forward+backward, tokens/s; PyTorch's best: {} thread{}):", best,
+                  best == 1 ? "" : "s");
   Json steps = Json::object();
   for (Row& row : rows) {
     const int t = row.threads;

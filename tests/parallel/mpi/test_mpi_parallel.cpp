@@ -176,7 +176,8 @@ TEST_CASE("bucketed DDP equals reduce_gradients and the one-rank gradient (MPI)"
   CHECK(ddp.launched() == 3);  // every bucket went out during the backward
   ddp.finish();
   backward(loss(ref_params, mine));
-  reduce_gradients({ref_params[0].second, ref_params[1].second, ref_params[2].second}, mesh, {"dp"});
+  reduce_gradients({ref_params[0].second, ref_params[1].second, ref_params[2].second}, mesh,
+                   {"dp"});
   backward(loss(whole, batch));
   for (size_t i = 0; i < 3; ++i) {
     INFO(ddp_params[i].first);
