@@ -13,6 +13,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # so without the directory in the hash any checkout hits (the debug info then
 # names the directory that first compiled the object).
 export CCACHE_NOHASHDIR=1
+# Five build directories (normal, AVX2, TSan, ASan, fuzz) hold about 12 GB of
+# objects together; ccache's default 5 GB would evict one configuration while
+# another builds, and CI would rebuild it cold.
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-20G}"
 build="${TANDEM_BUILD_DIR:-$root/build}"
 jobs="${TANDEM_JOBS:-2}"
 

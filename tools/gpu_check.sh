@@ -14,11 +14,14 @@
 #      and nccl (one rank) when MPI and NCCL were found;
 #   4. compute-sanitizer memcheck and racecheck over the tensor suite's CUDA
 #      cases;
-#   5. tandem-bench tensor's GPU rows (matmul against cuBLAS, f32 and bf16) and
-#      tandem-bench autograd --device cuda (the block step against PyTorch on
-#      the GPU, where the machine's python3 or TANDEM_BENCH_PYTHON has a CUDA
-#      PyTorch; else that row is skipped). cp and overlap have no GPU mode yet:
-#      summary.json lists them as not run, with that reason.
+#   5. the benchmarks on the GPU: tandem-bench tensor's GPU rows (matmul
+#      against cuBLAS, f32 and bf16); autograd --device cuda (the block step,
+#      and attention forward+backward in bf16 against PyTorch's flash kernel
+#      and in f32, where the machine's python3 or TANDEM_BENCH_PYTHON has a
+#      CUDA PyTorch; else those rows are skipped); cp --device cuda (every CP
+#      mode with 4 rank threads sharing the GPU, S=8192); overlap --device
+#      cuda (the dual-pipe step with 2 rank threads on the GPU against the
+#      sequential step).
 # Writes build-gpu-logs/summary.json (every step: status, seconds, note; every
 # benchmark's JSON) and, when $OUT is set (the device tool), copies it and a
 # tarball of the logs there. Exits non-zero when a step failed, when a CUDA
@@ -170,7 +173,15 @@ bench_gpu_matmul() {
 }
 
 bench_gpu_autograd() {
-  "$build/tools/tandem-bench" autograd --quick --json --device cuda >"$logs/bench-autograd.json"
+  "$build/tools/tandem-bench" autograd --json --device cuda >"$logs/bench-autograd.json"
+}
+
+bench_gpu_cp() {
+  "$build/tools/tandem-bench" cp --json --device cuda >"$logs/bench-cp.json"
+}
+
+bench_gpu_overlap() {
+  "$build/tools/tandem-bench" overlap --json --device cuda >"$logs/bench-overlap.json"
 }
 
 summary() {
@@ -253,10 +264,9 @@ if ((${#failed[@]} == 0)) && step configure configure && step build ninja -C "$b
     record racecheck "not run" 0 "compute-sanitizer not found"
   fi
   step_cap=120 step bench-tensor bench_gpu_matmul
-  step_cap=120 step bench-autograd bench_gpu_autograd
-  for b in cp overlap; do
-    record "bench-$b" "not run" 0 "tandem-bench $b has no GPU mode yet"
-  done
+  step_cap=150 step bench-autograd bench_gpu_autograd
+  step_cap=120 step bench-cp bench_gpu_cp
+  step_cap=90 step bench-overlap bench_gpu_overlap
 fi
 
 elapsed=$((SECONDS - start))

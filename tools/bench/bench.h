@@ -37,7 +37,8 @@ struct Options {
   // where to write the Chrome trace of one overlapped step (empty: nowhere).
   int ranks = 0, micro_batches = 0;
   std::string trace;
-  // `autograd` only: "cpu" (the default) or "cuda", the GPU mode.
+  // `autograd`, `cp` and `overlap`: "cpu" (the default) or "cuda", the GPU
+  // mode.
   std::string device = "cpu";
   // `cp` only: "threads" (the default: rank threads, simulated link and
   // plain) or "mpi" (one process per rank under mpirun -n 4, plain only).
@@ -189,6 +190,8 @@ int run_autograd(const Options& options);  // bench_autograd.cpp
 int run_autograd_cuda(const Options& options);  // bench_autograd_cuda.cpp
 // The llama-block rows of `tandem-bench autograd` (bench_autograd_llama.cpp).
 void bench_llama_block(Report& report, const Options& options);
+// The attention rows of `autograd --device cuda` (bench_autograd_attention.cpp).
+void bench_attention_cuda(Report& report, const Options& options);
 int run_comm(const Options& options);     // bench_comm.cpp
 int run_dtensor(const Options& options);  // bench_dtensor.cpp
 int run_cp(const Options& options);       // bench_cp.cpp (--backend mpi: bench_cp_plain.cpp)

@@ -4,8 +4,9 @@
 //
 // Note [Autograd on a GPU]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
-// - What runs: the block step only (Note [Autograd benchmark workload]), one
-//   row: tandem on cuda:0 against `pytorch_autograd.py --device cuda`. Both
+// - What runs: the block step (Note [Autograd benchmark workload]), one
+//   row: tandem on cuda:0 against `pytorch_autograd.py --device cuda`; then
+//   the attention rows (Note [Attention on a GPU]). Both
 //   sides copy the CPU's bit-identical weights and input to the device. The
 //   overhead chain measures the tape's host-side cost on 4-element tensors; it
 //   stays CPU-only, and the JSON's "overhead" field says so.
@@ -314,20 +315,23 @@ int run_autograd_cuda(const Options& options) {
                "`tandem-bench autograd` without --device cuda"}},
              "overhead rows: CPU-only, not run with --device cuda");
   Row row = cuda_block_row(device);
-  if (!report.wants(row)) return report.finish();
   if (!cuda_available()) {
     row.error = built_with_cuda()
                     ? "[bench::autograd] expected a CUDA device, got none (without a GPU, "
                       "TANDEM_CUDA=emulated gives an emulated one)"
                     : "[bench::autograd] expected a CUDA device, got a tandem built without CUDA";
-  } else {
+    report.add(std::move(row));
+    return report.finish();
+  }
+  if (report.wants(row)) {
     try {
       bench_block_cuda(report, config, row);
     } catch (const std::exception& e) {  // a tandem op failing on the GPU
       row.error = e.what();
     }
+    report.add(std::move(row));
   }
-  report.add(std::move(row));
+  bench_attention_cuda(report, options);  // Note [Attention on a GPU]
   return report.finish();
 }
 

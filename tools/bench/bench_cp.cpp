@@ -142,7 +142,7 @@ void train_step(nn::SelfAttention& layer, const Tensor& x, const Tensor& w) {
   Tensor out = layer(input);
   backward(sum(mul(out, w)));
   layer.zero_grad();
-  current_stream(Device::cpu()).synchronize();
+  current_stream(x.device()).synchronize();
 }
 
 SingleRun run_single(const Size& size, const Tensor& x, const Tensor& w, int steps) {
@@ -182,13 +182,14 @@ std::shared_ptr<nn::SelfAttention> make_layer(const Size& size, const Mode& mode
 }
 
 LayerCopy make_copy(const Size& size, const Mode& mode, ProcessGroupPtr group, const Tensor& x,
-                    const Tensor& w) {
+                    const Tensor& w, Device device) {
   LayerCopy c;
   const int r = group->rank();
-  c.mesh = DeviceMesh(std::move(group), {kRanks}, {"cp"});
+  c.mesh = DeviceMesh(std::move(group), {kRanks}, {"cp"}, {}, device);
   c.layer = make_layer(size, mode, c.mesh);
-  c.x = shard_sequence(x, 1, kRanks, r, mode.load_balance);
-  c.w = shard_sequence(w, 1, kRanks, r, mode.load_balance);
+  c.layer->to(device);
+  c.x = ops::to(shard_sequence(x, 1, kRanks, r, mode.load_balance), device);
+  c.w = ops::to(shard_sequence(w, 1, kRanks, r, mode.load_balance), device);
   return c;
 }
 

@@ -60,7 +60,8 @@ int64_t allocated_bytes();       // the CPU allocator's, process-wide
 int64_t peak_allocated_bytes();  // since the last reset_peak_memory()
 
 // One training step on this thread: forward, loss sum(out * w), backward,
-// then the gradients are dropped so that every step allocates the same.
+// then the gradients are dropped so that every step allocates the same; it
+// returns when x's device has run it.
 void train_step(nn::SelfAttention& layer, const Tensor& x, const Tensor& w);
 
 // The single-rank layer alone on this thread.
@@ -79,14 +80,15 @@ double activation_ratio(double peak_per_rank, const SingleRun& single);
 std::shared_ptr<nn::SelfAttention> make_layer(const Size& size, const Mode& mode,
                                               const DeviceMesh& mesh);
 
-// One mode's layer on `group`, with this rank's shards of the input.
+// One mode's layer on `group`, with this rank's shards of the input, on
+// `device` (the rank threads of `cp --device cuda` share cuda:0).
 struct LayerCopy {
   DeviceMesh mesh;
   std::shared_ptr<nn::SelfAttention> layer;
   Tensor x, w;
 };
 LayerCopy make_copy(const Size& size, const Mode& mode, ProcessGroupPtr group, const Tensor& x,
-                    const Tensor& w);
+                    const Tensor& w, Device device = Device::cpu());
 
 // The layer's parameters and as many bytes again for their gradients: the
 // replicated part of every rank's peak. Counted whole, although at the peak
@@ -104,4 +106,6 @@ void run_plain_threads(Report& report, const Size& size, const std::vector<const
 namespace tandem::bench {
 // `tandem-bench cp --backend mpi`, under `mpirun -n 4`.
 int run_cp_mpi(const Options& options);
+// `tandem-bench cp --device cuda` (bench_cp_cuda.cpp).
+int run_cp_cuda(const Options& options);
 }  // namespace tandem::bench

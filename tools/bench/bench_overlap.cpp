@@ -79,6 +79,7 @@
 #include "tandem/comm/threads/threads_backend.h"
 #include "tandem/parallel/dual_pipe.h"
 #include "tandem/runtime/error.h"
+#include "tandem/runtime/stream.h"
 #include "tandem/runtime/trace.h"
 #include "tandem/tensor/ops.h"
 #include "tools/bench/bench.h"
@@ -87,25 +88,13 @@
 namespace tandem::bench {
 namespace {
 
-using overlap::check_trace;
-using overlap::read_traffic;
-using overlap::SideTraffic;
-using overlap::TraceCheck;
-using overlap::Traffic;
-
-using Clock = std::chrono::steady_clock;
-using Json = nlohmann::ordered_json;
-
 constexpr double kLinkLatencyUs = 2.0;     // NVLink-like; negligible against the compute
 constexpr double kExposedAllowance = 0.2;  // target: overlapped <= ideal + 0.2 × comm
 constexpr double kAuxWeight = 0.01;
 
-struct Setup {
-  nn::TransformerLMConfig model;
-  int64_t batch = 0, seq = 0;
-  int ranks = 0, micro_batches = 0;
-  int trials = 0, calibration_steps = 0;
-};
+}  // namespace
+
+namespace overlap {
 
 Setup make_setup(const Options& options) {
   Setup s;
@@ -133,19 +122,79 @@ Setup make_setup(const Options& options) {
   return s;
 }
 
-double seconds(Clock::duration d) {
-  return std::chrono::duration<double>(d).count();
+namespace {
+
+std::shared_ptr<nn::TransformerLM> make_model(const Setup& setup, Device device) {
+  Generator init(3);  // the same weights on every rank and in every copy
+  auto model = std::make_shared<nn::TransformerLM>(setup.model, init);
+  model->to(device);
+  return model;
 }
 
-// When one step began and ended, and when each micro-batch's forward and
-// backward began (on whichever thread ran them).
-struct StepMarks {
-  Clock::time_point start, end;
-  std::vector<Clock::time_point> forward, backward;
-  std::vector<double> losses;
+}  // namespace
 
-  double total() const { return seconds(end - start); }
-};
+RankModel::RankModel(const Setup& setup, const ProcessGroupPtr& world, const LinkModel* link,
+                     Device device)
+    : setup_(setup),
+      device_(device),
+      mesh_(link != nullptr ? simulate_link(world, *link) : world, {world->size()}, {"ep"}, {},
+            device),
+      model_(make_model(setup, device)),
+      pipe_(model_, mesh_, device) {
+  pipe_.abort_on_failure(mesh_);
+  for (int i = 0; i < setup.micro_batches; ++i) {
+    Generator g(1000 + 31 * world->rank() + i);
+    Tensor t = ops::to(ops::mul(ops::rand({setup.batch, setup.seq + 1}, g),
+                                static_cast<double>(setup.model.vocab)),
+                       DType::I64);
+    batches_.emplace_back(ops::to(ops::contiguous(ops::narrow(t, 1, 0, setup.seq)), device),
+                          ops::to(ops::contiguous(ops::narrow(t, 1, 1, setup.seq)), device));
+  }
+}
+
+StepMarks RankModel::step(bool overlap) {
+  const int n = setup_.micro_batches;
+  StepMarks m;
+  m.forward.resize(static_cast<size_t>(n));
+  m.backward.resize(static_cast<size_t>(n));
+  auto forward = [&](int i) {
+    m.forward[i] = Clock::now();
+    const auto& [x, y] = batches_[static_cast<size_t>(i)];
+    auto [logits, aux_loss] = nn::call_with_aux(*model_, Args{x});
+    Tensor loss = add(nn::lm_loss(logits, y), mul(aux_loss, kAuxWeight));
+    loss = div(loss, static_cast<double>(n));
+    // Fires as this micro-batch's backward begins, on the thread running it.
+    register_hook(loss, [&m, i](const Tensor& g) {
+      m.backward[i] = Clock::now();
+      return g;
+    });
+    return loss;
+  };
+  m.start = Clock::now();
+  m.losses = pipe_.run(n, forward, overlap).losses;
+  // The workers' streams joined this thread's (Note [Thread hand-off]); on a
+  // GPU the step ends when the device has run it.
+  current_stream(device_).synchronize();
+  m.end = Clock::now();
+  model_->zero_grad();
+  return m;
+}
+
+}  // namespace overlap
+
+namespace {
+
+using overlap::check_trace;
+using overlap::Clock;
+using overlap::Json;
+using overlap::RankModel;
+using overlap::read_traffic;
+using overlap::seconds;
+using overlap::Setup;
+using overlap::SideTraffic;
+using overlap::StepMarks;
+using overlap::TraceCheck;
+using overlap::Traffic;
 
 // The compute phases of an overlapped step: F1 alone, the pairs
 // [B(i) ‖ F(i+1)], Bn alone (Note [Overlap benchmark method]).
@@ -166,68 +215,6 @@ Phases phases_of(const StepMarks& m) {
   p.last_backward = seconds(m.end - m.backward[n - 1]);
   return p;
 }
-
-// One rank's copy of the model, expert-parallel over `world` behind a
-// simulated link, with its dual-pipe schedule.
-class RankModel {
- public:
-  RankModel(const Setup& setup, const ProcessGroupPtr& world, const LinkModel& link)
-      : setup_(setup),
-        mesh_(simulate_link(world, link), {world->size()}, {"ep"}),
-        model_(make_model(setup)),
-        pipe_(model_, mesh_) {
-    pipe_.abort_on_failure(mesh_);
-    for (int i = 0; i < setup.micro_batches; ++i) {
-      Generator g(1000 + 31 * world->rank() + i);
-      Tensor t = ops::to(ops::mul(ops::rand({setup.batch, setup.seq + 1}, g),
-                                  static_cast<double>(setup.model.vocab)),
-                         DType::I64);
-      batches_.emplace_back(ops::contiguous(ops::narrow(t, 1, 0, setup.seq)),
-                            ops::contiguous(ops::narrow(t, 1, 1, setup.seq)));
-    }
-  }
-
-  int moe_layers() const { return pipe_.moe_layers(); }
-
-  // One training step of n micro-batches; the gradients are dropped after it
-  // so that every step does the same work.
-  StepMarks step(bool overlap) {
-    const int n = setup_.micro_batches;
-    StepMarks m;
-    m.forward.resize(static_cast<size_t>(n));
-    m.backward.resize(static_cast<size_t>(n));
-    auto forward = [&](int i) {
-      m.forward[i] = Clock::now();
-      const auto& [x, y] = batches_[static_cast<size_t>(i)];
-      auto [logits, aux_loss] = nn::call_with_aux(*model_, Args{x});
-      Tensor loss = add(nn::lm_loss(logits, y), mul(aux_loss, kAuxWeight));
-      loss = div(loss, static_cast<double>(n));
-      // Fires as this micro-batch's backward begins, on the thread running it.
-      register_hook(loss, [&m, i](const Tensor& g) {
-        m.backward[i] = Clock::now();
-        return g;
-      });
-      return loss;
-    };
-    m.start = Clock::now();
-    m.losses = pipe_.run(n, forward, overlap).losses;
-    m.end = Clock::now();
-    model_->zero_grad();
-    return m;
-  }
-
- private:
-  static std::shared_ptr<nn::TransformerLM> make_model(const Setup& setup) {
-    Generator init(3);  // the same weights on every rank and in every copy
-    return std::make_shared<nn::TransformerLM>(setup.model, init);
-  }
-
-  Setup setup_;
-  DeviceMesh mesh_;
-  std::shared_ptr<nn::TransformerLM> model_;
-  DualPipe pipe_;
-  std::vector<std::pair<Tensor, Tensor>> batches_;
-};
 
 // ---- the run ----
 
@@ -262,7 +249,7 @@ Measured measure(const Setup& setup, const std::string& trace_path) {
       };
 
       // Calibration on the free link (Note [Overlap benchmark method]).
-      RankModel free_model(setup, world, free_link);
+      RankModel free_model(setup, world, &free_link);
       for (int w = 0; w < 2; ++w)
         timed(free_model, false);  // warm-up: allocator cache, first-touch pages
       if (leader) trace_start();
@@ -300,7 +287,7 @@ Measured measure(const Setup& setup, const std::string& trace_path) {
       }
       lockstep.sync();
 
-      RankModel link_model(setup, world, out.link);
+      RankModel link_model(setup, world, &out.link);
       timed(link_model, true);  // warm-up
       timed(link_model, false);
       timed(free_model, true);
@@ -401,7 +388,7 @@ int run_overlap(const Options& options) {
   TimingConfig config = timing_config(options);
   Report report("overlap", options, config);
   ops::set_num_threads(1);  // one BLAS thread per worker thread
-  const Setup setup = make_setup(options);
+  const Setup setup = overlap::make_setup(options);
   const nn::TransformerLMConfig& mc = setup.model;
 
   report.set("timing",

@@ -1,22 +1,80 @@
-// The traffic and the trace of `tandem-bench overlap` (Note [Overlap benchmark
-// method] in bench_overlap.cpp): the bytes of each collective of one step, read
-// from the simulated link's trace events, and the checks and per-side sums of
-// the trace of one overlapped step.
+// What the runs of `tandem-bench overlap` share: the model every rank thread
+// builds and its timed step (bench_overlap.cpp on the simulated link,
+// bench_overlap_cuda.cpp on a CUDA device), the bytes of each collective of
+// one step, read from the simulated link's trace events, and the checks and
+// per-side sums of the trace of one overlapped step (bench_overlap_trace.cpp;
+// Note [Overlap benchmark method]).
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "tandem/autograd/nn/transformer.h"
 #include "tandem/comm/sim_link.h"
+#include "tandem/parallel/dual_pipe.h"
+#include "tools/bench/bench.h"
 
 namespace tandem::bench::overlap {
 
 using Json = nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
+
+struct Setup {
+  nn::TransformerLMConfig model;
+  int64_t batch = 0, seq = 0;
+  int ranks = 0, micro_batches = 0;
+  int trials = 0, calibration_steps = 0;
+};
+
+// The model and step of the run; --ranks and --micro-batches override the
+// defaults (checked: ranks >= 2 dividing the experts, >= 2 micro-batches).
+Setup make_setup(const Options& options);
+
+inline double seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+// When one step began and ended, and when each micro-batch's forward and
+// backward began (on whichever thread ran them).
+struct StepMarks {
+  Clock::time_point start, end;
+  std::vector<Clock::time_point> forward, backward;
+  std::vector<double> losses;
+
+  double total() const { return seconds(end - start); }
+};
+
+// One rank's copy of the model on `device`, expert-parallel over `world`
+// (behind a simulated link when `link` is given; not owned, read at
+// construction), with its dual-pipe schedule. Every copy has the same weights.
+class RankModel {
+ public:
+  RankModel(const Setup& setup, const ProcessGroupPtr& world, const LinkModel* link,
+            Device device = Device::cpu());
+
+  int moe_layers() const { return pipe_.moe_layers(); }
+
+  // One training step of n micro-batches, ended when the device has finished
+  // it; the gradients are dropped after it so that every step does the same
+  // work.
+  StepMarks step(bool overlap);
+
+ private:
+  Setup setup_;
+  Device device_;
+  DeviceMesh mesh_;
+  std::shared_ptr<nn::TransformerLM> model_;
+  DualPipe pipe_;
+  std::vector<std::pair<Tensor, Tensor>> batches_;
+};
 
 // Bytes of each collective of one step, per micro-batch and direction, the
 // larger of the ranks' for each collective (the slower rank sets the pace).
@@ -84,3 +142,8 @@ struct TraceCheck {
 TraceCheck check_trace(const Json& doc, int ranks, int64_t experts);
 
 }  // namespace tandem::bench::overlap
+
+namespace tandem::bench {
+// `tandem-bench overlap --device cuda` (bench_overlap_cuda.cpp).
+int run_overlap_cuda(const Options& options);
+}  // namespace tandem::bench

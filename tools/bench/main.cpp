@@ -11,6 +11,7 @@
 
 #include "tools/bench/bench.h"
 #include "tools/bench/bench_cp.h"
+#include "tools/bench/bench_overlap.h"
 
 int main(int argc, char** argv) {
   tandem::bench::hold_blas_to_kernel_isa(argv);
@@ -48,6 +49,10 @@ int main(int argc, char** argv) {
                  "backend) or mpi (under mpirun -n 4: the plain MPI backend, exposed "
                  "communication and exact per-rank peak memory; S=1024 unless --seq)")
       ->check(CLI::IsMember({"threads", "mpi"}));
+  cp->add_option("--device", options.device,
+                 "cpu (default) or cuda: the 4 rank threads share cuda:0 (threads backend, no "
+                 "simulated link; S=8192 d=1024 unless given)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   CLI::App* overlap = app.add_subcommand(
       "overlap",
       "dual-pipe overlap of MoE all-to-alls on a simulated link: overlapped step vs "
@@ -57,6 +62,11 @@ int main(int argc, char** argv) {
                       "micro-batches per step (default 6, 4 with --quick)");
   overlap->add_option("--trace", options.trace,
                       "write the Chrome trace of one overlapped step to this file");
+  overlap
+      ->add_option("--device", options.device,
+                   "cpu (default: the simulated link) or cuda: the rank threads share cuda:0, "
+                   "sequential against overlapped step")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   CLI::App* fsdp = app.add_subcommand(
       "fsdp",
       "data parallelism's gradient reduction: bucketed DDP during the backward against no "
@@ -81,10 +91,20 @@ int main(int argc, char** argv) {
     if (*comm) return tandem::bench::run_comm(options);
     if (*dtensor) return tandem::bench::run_dtensor(options);
     if (*cp) {
+      if (options.device == "cuda") {
+        if (options.backend != "threads") {
+          fmt::print(stderr, "tandem-bench: error: cp --device cuda runs on the threads backend\n");
+          return 2;
+        }
+        return tandem::bench::run_cp_cuda(options);
+      }
       return options.backend == "mpi" ? tandem::bench::run_cp_mpi(options)
                                       : tandem::bench::run_cp(options);
     }
-    if (*overlap) return tandem::bench::run_overlap(options);
+    if (*overlap) {
+      return options.device == "cuda" ? tandem::bench::run_overlap_cuda(options)
+                                      : tandem::bench::run_overlap(options);
+    }
     if (*fsdp) return tandem::bench::run_fsdp(options);
     if (*all) return tandem::bench::run_all(all_json);
   } catch (const std::exception& e) {

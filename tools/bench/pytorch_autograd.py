@@ -20,10 +20,16 @@ grouped-query attention with the rotary embedding, SwiGLU; Note [Llama block
 benchmark] in bench_autograd_llama.cpp), at 1 and 2 threads, written with
 torch.nn.functional as transformers' eager LlamaDecoderLayer computes it.
 
+With --device cuda --attention bf16|f32 --attention-shape B,H,S,D it measures
+causal F.scaled_dot_product_attention forward+backward alone (Note [Attention
+on a GPU] in bench_autograd_attention.cpp): bf16 through the flash kernel
+(forced), f32 through the kernel PyTorch picks.
+
 A comparison tool only, never a dependency of tandem or of its tests.
 
   pytorch_autograd.py [--chain-trials N] [--block-trials N] [--min-trial-ms X]
                       [--device cpu|cuda] [--llama]
+                      [--attention bf16|f32 --attention-shape B,H,S,D]
 """
 import argparse
 import json
@@ -278,6 +284,9 @@ def main():
     parser.add_argument("--min-trial-ms", type=float, default=20.0)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--llama", action="store_true", help="the Llama decoder layer instead")
+    parser.add_argument("--attention", choices=["bf16", "f32"],
+                        help="with --device cuda: causal attention alone, in this dtype")
+    parser.add_argument("--attention-shape", default="4,16,2048,64", help="B,H,S,D")
     args = parser.parse_args()
     if args.chain_trials < 1 or args.block_trials < 1 or not args.min_trial_ms > 0:
         parser.error("expected positive trial counts and --min-trial-ms")
@@ -285,6 +294,8 @@ def main():
     if major < 2:
         print(f"pytorch_autograd.py: expected PyTorch 2.x, got {torch.__version__}", file=sys.stderr)
         return 1
+    if args.device == "cuda" and args.attention:
+        return main_attention(args)
     if args.device == "cuda":
         return main_cuda(args)
     if args.llama:
@@ -351,6 +362,80 @@ def main_cuda(args):
         "step": step,
     }
     out["max_memory_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    print(json.dumps(out))
+    return 0
+
+
+class Attention:
+    """Causal attention of (B, H, S, D) q, k, v and the loss sum(f32(out) * w)."""
+
+    def __init__(self, shape, dtype):
+        def make(salt, requires_grad):
+            t = workload_tensor(salt, shape, 1.0).to(dtype).to("cuda")
+            return leaf(t) if requires_grad else t
+
+        self.q, self.k, self.v = make(21, True), make(22, True), make(23, True)
+        self.w = workload_tensor(24, shape, 1.0).to("cuda")
+        self.flash = dtype != torch.float32
+
+    def loss(self, outs=None):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backends = [SDPBackend.FLASH_ATTENTION] if self.flash else \
+            [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+        with sdpa_kernel(backends):
+            out = F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=True).float()
+        if outs is not None:
+            outs.append(out)
+        return (out * self.w).sum()
+
+    def step(self, times):
+        t0 = time.perf_counter()
+        loss = self.loss()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        loss.backward()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        for t in (self.q, self.k, self.v):
+            t.grad = None
+        times[0] += t1 - t0
+        times[1] += t2 - t1
+
+    def check(self):
+        """L2 norms of out, dq, dk, dv (as tandem's check)."""
+        outs = []
+        self.loss(outs).backward()
+        values = [outs[0].detach().norm().item()]
+        for t in (self.q, self.k, self.v):
+            values.append(t.grad.float().norm().item())
+            t.grad = None
+        return values
+
+
+def main_attention(args):
+    """Attention alone on the GPU: --device cuda --attention bf16|f32."""
+    if not torch.cuda.is_available():
+        print(f"pytorch_autograd.py: expected CUDA, got torch {torch.__version__} with "
+              "torch.cuda.is_available() False", file=sys.stderr)
+        return 1
+    shape = [int(x) for x in args.attention_shape.split(",")]
+    if len(shape) != 4 or min(shape) < 1:
+        print(f"pytorch_autograd.py: expected --attention-shape B,H,S,D, got "
+              f"{args.attention_shape}", file=sys.stderr)
+        return 1
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dtype = torch.bfloat16 if args.attention == "bf16" else torch.float32
+    attention = Attention(shape, dtype)
+    out = {
+        "program": "pytorch_autograd.py",
+        "torch_version": torch.__version__,
+        "dtype": args.attention,
+        "shape": shape,
+        "backend": "flash (forced)" if attention.flash else "memory-efficient first",
+        "gpu": torch.cuda.get_device_name(0),
+        "check": attention.check(),
+        "step": measure(attention.step, args.block_trials, args.min_trial_ms * 1e-3),
+    }
     print(json.dumps(out))
     return 0
 
