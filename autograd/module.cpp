@@ -356,6 +356,21 @@ void Module::set_parameter(const std::string& name, const Tensor& value) {
   TANDEM_FAIL("[nn::{}] expected one of its own parameters, got \"{}\"", type_name_, name);
 }
 
+void Module::assign_parameter(const std::string& name, const Tensor& value) {
+  TANDEM_CHECK(value.defined() && requires_grad(value) && grad_fn(value) == nullptr,
+               "[nn::{}] expected a leaf that requires grad for parameter \"{}\", got {}",
+               type_name_, name,
+               !value.defined()            ? "an undefined tensor"
+               : grad_fn(value) != nullptr ? "the result of an op"
+                                           : "a tensor without requires_grad");
+  for (auto& [n, t] : params_) {
+    if (n != name) continue;
+    *t = value;
+    return;
+  }
+  TANDEM_FAIL("[nn::{}] expected one of its own parameters, got \"{}\"", type_name_, name);
+}
+
 void Module::replace_module(const std::string& name, std::shared_ptr<Module> module) {
   TANDEM_CHECK(module != nullptr, "[nn::{}] expected a module to replace child '{}', got null",
                type_name_, name);

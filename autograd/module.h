@@ -119,6 +119,12 @@ class Module : public std::enable_shared_from_this<Module> {
   // Replaces this module's own parameter `name` (not a dotted path) with
   // `value`, keeping requires_grad: how parallel styles install local shards.
   void set_parameter(const std::string& name, const Tensor& value);
+  // Makes `value` itself (no detach: the same autograd leaf, gradient slot
+  // and annotations) this module's own parameter `name`: how sharded data
+  // parallelism swaps a parameter's shard and its gathered whole in and out
+  // around the forward (parallel/fsdp.h). `value` must be a leaf that
+  // requires grad.
+  void assign_parameter(const std::string& name, const Tensor& value);
   // The module at a dotted path below this one ("" = this); error if absent.
   std::shared_ptr<Module> get_submodule(const std::string& path);
 

@@ -1,11 +1,13 @@
 #include "tandem/tensor/tensor.h"
 
 #include <cstring>
+#include <utility>
 
 #include "tandem/runtime/cuda/cuda_api.h"
 #include "tandem/tensor/dispatch.h"
 #include "tandem/tensor/kernels.h"
 #include "tandem/tensor/ops.h"
+#include "tandem/tensor/storage.h"
 
 namespace tandem {
 
@@ -16,6 +18,38 @@ StorageImpl::StorageImpl(size_t n, Device d, const Stream& stream)
 
 StorageImpl::StorageImpl(void* d, size_t n, Device dev, std::function<void()> r)
     : data(d), nbytes(n), device(dev), allocator(nullptr), release(std::move(r)) {}
+
+// Note [Released storage] (tensor/storage.h).
+void release_storage(const Tensor& t) {
+  StorageImpl* s = t.storage().get();
+  TANDEM_CHECK(s != nullptr && s->allocator != nullptr,
+               "[tensor::release_storage] expected a tensor whose memory tandem allocated, got {}",
+               s == nullptr ? "an undefined tensor" : "foreign memory");
+  if (s->data == nullptr) return;
+  void* block = std::exchange(s->data, nullptr);
+  Allocator* allocator = s->allocator;
+  const Stream& stream = current_stream(s->device);
+  if (s->device.is_cpu() && !stream.is_inline()) {
+    stream.enqueue_async([allocator, block] { allocator->deallocate(block); }, true);
+  } else {
+    allocator->deallocate(block);
+  }
+}
+
+void restore_storage(const Tensor& t) {
+  StorageImpl* s = t.storage().get();
+  TANDEM_CHECK(s != nullptr && s->allocator != nullptr,
+               "[tensor::restore_storage] expected a tensor whose memory tandem allocated, got {}",
+               s == nullptr ? "an undefined tensor" : "foreign memory");
+  if (s->data != nullptr) return;
+  const Stream& stream = current_stream(s->device);
+  s->data = s->allocator->allocate(s->nbytes, stream);
+  s->alloc_stream_id = stream.id();
+}
+
+bool storage_released(const Tensor& t) {
+  return t.defined() && t.storage()->data == nullptr && t.storage()->allocator != nullptr;
+}
 
 StorageImpl::~StorageImpl() {
   if (allocator != nullptr) {
@@ -140,7 +174,21 @@ std::string Tensor::str() const {
   return s + ")";
 }
 
+namespace {
+// Note [Released storage]: an op on a released tensor is an error, not a read
+// through a null pointer.
+void check_not_released(const Tensor& t) {
+  TANDEM_CHECK(!t.defined() || t.storage()->data != nullptr || t.storage()->nbytes == 0 ||
+                   t.storage()->allocator == nullptr,
+               "[tensor] expected a tensor with memory, got one of shape {} whose storage was "
+               "released (Note [Released storage]: FSDP restores it before the backward reads "
+               "it)",
+               t.shape());
+}
+}  // namespace
+
 TensorArg arg_of(const Tensor& t) {
+  check_not_released(t);
   TensorArg a;
   a.data = t.raw_data();
   a.dtype = t.dtype();
@@ -155,6 +203,7 @@ TensorArg arg_of(const Tensor& t) {
 }
 
 TensorArg broadcast_arg(const Tensor& t, const Shape& shape) {
+  check_not_released(t);
   TensorArg a;
   a.data = t.raw_data();
   a.dtype = t.dtype();

@@ -1,0 +1,434 @@
+#include "tandem/parallel/fsdp.h"
+
+#include <algorithm>
+#include <optional>
+#include <set>
+#include <utility>
+
+#include "tandem/autograd/checkpoint.h"
+#include "tandem/autograd/grad_ready.h"
+#include "tandem/autograd/node.h"
+#include "tandem/parallel/param_placement.h"
+#include "tandem/parallel/placement.h"
+#include "tandem/runtime/error.h"
+#include "tandem/tensor/ops.h"
+#include "tandem/tensor/storage.h"
+
+namespace tandem {
+
+// One group of Note [FSDP]. Every field is guarded by the owner's mutex.
+struct FullyShardedDataParallel::Group {
+  enum class State { Sharded, Gathered, Released };
+  struct Param {
+    std::string name;   // dotted, from the root
+    Module* owner;      // kept alive by the root
+    std::string local;  // the owner's own name for it
+    Shape shape;        // whole
+    int64_t rows = 0, chunk = 0, row_numel = 0, local_rows = 0;
+    int64_t offset = 0;  // in a rank's packed block, in elements
+    Tensor shard;        // the leaf the optimizer holds
+    Tensor full;         // this step's gathered leaf; undefined when none
+    int ready_hook = -1;
+    bool ready = false;
+  };
+  std::string name;
+  std::shared_ptr<Module> module;
+  std::vector<Param> params;
+  int64_t packed = 0;  // elements per rank
+  DType dtype = DType::F32;
+  Device device;
+  State state = State::Sharded;
+  WorkPtr gather;  // in flight
+  WorkPtr reduce;  // this backward's reduce-scatter
+  bool launched = false;
+  int ready = 0;
+  int pre_index = -1, post_index = -1;  // in the recorded forward orders
+  bool graph = false;                   // the last forward recorded a graph (grad mode on)
+};
+
+namespace {
+
+using Group = FullyShardedDataParallel::Group;
+
+// Rows [0, rows) of parameter `p` out of a gathered (W * packed) buffer.
+Tensor gathered_rows(const Group& g, const Group::Param& p, const Tensor& gathered, int64_t world) {
+  Tensor block = ops::narrow(ops::reshape(gathered, {world, g.packed}), 1, p.offset,
+                             p.chunk * p.row_numel);  // (W, chunk * row)
+  Tensor rows = ops::reshape(ops::contiguous(block), {world * p.chunk, p.row_numel});
+  return ops::reshape(ops::narrow(rows, 0, 0, p.rows), p.shape);
+}
+
+// The leaf `owner` holds as its own parameter `local`.
+Tensor own_parameter(Module& owner, const std::string& local) {
+  for (auto& [n, t] : owner.named_parameters()) {
+    if (n == local) return t;
+  }
+  TANDEM_FAIL("[parallel::FSDP] internal: {} lost its parameter '{}'", owner.type_name(), local);
+}
+
+}  // namespace
+
+FullyShardedDataParallel::FullyShardedDataParallel(
+    std::shared_ptr<Module> root, const std::vector<std::shared_ptr<Module>>& blocks,
+    const DeviceMesh& mesh, FSDPOptions options)
+    : root_(std::move(root)), options_(std::move(options)) {
+  TANDEM_CHECK(root_ != nullptr, "[parallel::FSDP] expected a root module, got null");
+  TANDEM_CHECK(options_.op == RedOp::Sum || options_.op == RedOp::Avg,
+               "[parallel::FSDP] expected RedOp Sum or Avg, got {}", red_op_name(options_.op));
+  const std::vector<std::string> dims = mesh.dim_names();
+  if (options_.shard_dim.empty()) {
+    TANDEM_CHECK(mesh.ndim() == 1 || mesh.ndim() == 2,
+                 "[parallel::FSDP] expected a 1-D mesh (shard) or a 2-D one (replicate, shard) "
+                 "when no dims are named, got {}",
+                 mesh.str());
+    options_.shard_dim = dims.back();
+    if (mesh.ndim() == 2 && options_.replicate_dim.empty()) options_.replicate_dim = dims[0];
+  }
+  mesh.dim_index(options_.shard_dim);  // names the known dims when it is not one
+  TANDEM_CHECK(options_.replicate_dim != options_.shard_dim,
+               "[parallel::FSDP] expected different shard and replicate dims, got \"{}\" twice",
+               options_.shard_dim);
+  shard_mesh_ = mesh.slice(options_.shard_dim);
+  shard_group_ = shard_mesh_.get_group();
+  if (!options_.replicate_dim.empty() && mesh.size(options_.replicate_dim) > 1)
+    replicate_group_ = mesh.get_group(options_.replicate_dim);
+
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> all = root_->named_modules();
+  std::vector<Module*> block_ptrs;
+  std::vector<std::string> block_names;
+  for (const std::shared_ptr<Module>& b : blocks) {
+    auto it = std::find_if(all.begin(), all.end(), [&](const auto& e) { return e.second == b; });
+    TANDEM_CHECK(b != nullptr && it != all.end() && b != root_,
+                 "[parallel::FSDP] expected every block to be a module inside the root, got {}",
+                 b == nullptr ? "null"
+                 : b == root_ ? "the root itself"
+                              : b->type_name());
+    TANDEM_CHECK(std::find(block_ptrs.begin(), block_ptrs.end(), b.get()) == block_ptrs.end(),
+                 "[parallel::FSDP] expected each block once, got '{}' twice", it->first);
+    block_ptrs.push_back(b.get());
+    block_names.push_back(it->first);
+  }
+  for (size_t i = 0; i < blocks.size(); ++i)
+    build_group(block_names[i], blocks[i], block_ptrs);
+  build_group("", root_, block_ptrs);
+
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Group& g = *groups_[gi];
+    handles_.push_back(g.module->register_forward_pre_hook(
+        [this, gi](Module&, const Args&) -> std::optional<Args> {
+          before_forward(*groups_[gi]);
+          return std::nullopt;
+        }));
+    handles_.push_back(g.module->register_forward_hook(
+        [this, gi](Module&, const Args&,
+                   const std::vector<Tensor>&) -> std::optional<std::vector<Tensor>> {
+          after_forward(*groups_[gi]);
+          return std::nullopt;
+        }));
+    handles_.push_back(g.module->register_full_backward_pre_hook(
+        [this, gi](Module&, const std::vector<Tensor>&) -> std::optional<std::vector<Tensor>> {
+          before_backward(*groups_[gi]);
+          return std::nullopt;
+        }));
+  }
+}
+
+FullyShardedDataParallel::~FullyShardedDataParallel() {
+  for (HookHandle& h : handles_)
+    h.remove();
+  for (auto& g : groups_) {
+    for (Group::Param& p : g->params) {
+      if (p.ready_hook >= 0) remove_grad_ready_hook(p.ready_hook);
+    }
+  }
+}
+
+void FullyShardedDataParallel::build_group(const std::string& name,
+                                           const std::shared_ptr<Module>& module,
+                                           const std::vector<Module*>& blocks) {
+  auto g = std::make_unique<Group>();
+  g->name = name.empty() ? "root" : name;
+  g->module = module;
+  const int64_t world = shard_group_->size(), rank = shard_group_->rank();
+  std::vector<std::string> skipped;  // paths of blocks below this group's module
+  for (auto& [path, m] : module->named_modules()) {
+    if (m != module && std::find(blocks.begin(), blocks.end(), m.get()) != blocks.end()) {
+      skipped.push_back(path + ".");
+      continue;
+    }
+    if (std::any_of(skipped.begin(), skipped.end(),
+                    [&](const std::string& s) { return path.rfind(s, 0) == 0; }))
+      continue;
+    for (auto& [local, t] : m->named_parameters()) {
+      if (local.find('.') != std::string::npos) continue;  // a child's
+      Group::Param p;
+      const std::string prefix = name.empty() ? "" : name + ".";
+      p.name = prefix + (path.empty() ? "" : path + ".") + local;
+      p.owner = m.get();
+      p.local = local;
+      p.shape = t.shape();
+      TANDEM_CHECK(t.dim() > 0,
+                   "[parallel::FSDP] expected parameters of at least one dim to shard along dim "
+                   "0, got '{}' of shape {}",
+                   p.name, t.shape());
+      std::shared_ptr<const ParamPlacement> placed = param_placement(t);
+      TANDEM_CHECK(
+          placed == nullptr || std::none_of(placed->splits.begin(), placed->splits.end(),
+                                            [](const MeshSplit& s) { return s.tensor_dim == 0; }),
+          "[parallel::FSDP] expected parameters not yet split along dim 0, got '{}' "
+          "placed as {} (tensor parallelism's colwise style shards dim 0; FSDP over it "
+          "is not supported)",
+          p.name, placed->str());
+      if (g->params.empty()) {
+        g->dtype = t.dtype();
+        g->device = t.device();
+      }
+      TANDEM_CHECK(t.dtype() == g->dtype && t.device() == g->device,
+                   "[parallel::FSDP] expected one dtype and device per group, got '{}' as {} on "
+                   "{} in group '{}' of {} on {}",
+                   p.name, dtype_name(t.dtype()), t.device(), g->name, dtype_name(g->dtype),
+                   g->device);
+      p.rows = t.shape()[0];
+      p.row_numel = 1;
+      for (int d = 1; d < t.dim(); ++d)
+        p.row_numel *= t.shape()[d];
+      const auto [start, length] = chunk_range(p.rows, world, rank);
+      p.chunk = (p.rows + world - 1) / world;
+      p.local_rows = length;
+      p.offset = g->packed;
+      g->packed += p.chunk * p.row_numel;
+      // The shard: its rows of the whole, as a new leaf with the whole's
+      // placement record and the split along dim 0 over the shard dim.
+      m->set_parameter(local, ops::clone(ops::narrow(t, 0, start, length)));
+      p.shard = own_parameter(*m, local);
+      if (placed != nullptr) set_leaf_annotation(p.shard, placed);
+      record_shard(p.shard, shard_mesh_, 0, placed != nullptr ? placed->global_shape : t.shape());
+      g->params.push_back(std::move(p));
+    }
+  }
+  if (!g->params.empty()) groups_.push_back(std::move(g));
+}
+
+// ---- gathering ----
+
+void FullyShardedDataParallel::launch_gather(Group& g) {
+  NoGradGuard no_grad;
+  Tensor flat = ops::zeros({g.packed}, g.dtype, g.device);
+  for (const Group::Param& p : g.params) {
+    if (p.local_rows == 0) continue;
+    ops::copy_(ops::narrow(flat, 0, p.offset, p.local_rows * p.row_numel),
+               ops::reshape(p.shard, {p.local_rows * p.row_numel}));
+  }
+  if (g.packed == 0) {  // every parameter empty: nothing to move
+    g.gather = std::make_shared<Work>("fsdp all_gather " + g.name);
+    g.gather->set_outputs({ops::zeros({0}, g.dtype, g.device)});
+    g.gather->finish();
+    return;
+  }
+  g.gather = shard_group_->all_gather(flat, {0, "fsdp all_gather " + g.name});
+  g.gather->progress_in_background();
+}
+
+// Launches `g`'s all-gather ahead of the hook that will need it, when `g` is
+// sharded and has none in flight.
+void FullyShardedDataParallel::prefetch(Group* g) {
+  if (g == nullptr || g->gather != nullptr || g->state == Group::State::Gathered) return;
+  launch_gather(*g);
+  ++prefetches_;
+}
+
+// Waits for `g`'s all-gather (launching it first when nobody prefetched it)
+// and puts the whole parameters in place: fresh leaves installed in the
+// modules (`fresh`, the forward), or the released memory of this step's
+// leaves restored and filled (the backward).
+void FullyShardedDataParallel::wait_gather(Group& g, bool fresh) {
+  if (g.gather == nullptr) launch_gather(g);
+  WorkPtr work = std::move(g.gather);
+  work->wait();
+  const Tensor gathered = work->result();
+  NoGradGuard no_grad;
+  const int64_t world = shard_group_->size();
+  for (size_t i = 0; i < g.params.size(); ++i) {
+    Group::Param& p = g.params[i];
+    const Tensor rows = gathered_rows(g, p, gathered, world);
+    if (!fresh) {
+      restore_storage(p.full);
+      ops::copy_(p.full, rows);
+      continue;
+    }
+    if (p.ready_hook >= 0) remove_grad_ready_hook(p.ready_hook);  // a forward without backward
+    p.owner->set_parameter(p.local, ops::clone(rows));
+    p.full = own_parameter(*p.owner, p.local);
+    p.ready = false;
+    p.ready_hook =
+        register_grad_ready_hook(p.full, [this, &g, i](const Tensor&) { on_ready(g, i); });
+  }
+  g.ready = 0;
+  g.state = Group::State::Gathered;
+}
+
+// ---- the hooks ----
+
+void FullyShardedDataParallel::before_forward(Group& g) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (is_recomputing() || g.state == Group::State::Gathered) return;
+  TANDEM_CHECK(g.state != Group::State::Released || !g.graph,
+               "[parallel::FSDP] expected the backward of group '{}''s last forward (and "
+               "finish()) before its next forward, got a second forward: its first graph "
+               "would find the gathered parameters gone (evaluate under NoGradGuard)",
+               g.name);
+  g.graph = grad_mode_enabled();
+  if (g.pre_index < 0) {
+    g.pre_index = static_cast<int>(pre_order_.size());
+    pre_order_.push_back(&g);
+  }
+  wait_gather(g, /*fresh=*/true);
+  // Prefetch the next group of the first forward's order.
+  if (pre_order_.size() == groups_.size() && g.pre_index + 1 < static_cast<int>(groups_.size()))
+    prefetch(pre_order_[static_cast<size_t>(g.pre_index + 1)]);
+}
+
+void FullyShardedDataParallel::after_forward(Group& g) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (is_recomputing()) return;
+  if (g.post_index < 0) {
+    g.post_index = static_cast<int>(post_order_.size());
+    post_order_.push_back(&g);
+  }
+  if (!options_.reshard_after_forward || g.state != Group::State::Gathered) return;
+  for (Group::Param& p : g.params) {
+    p.owner->assign_parameter(p.local, p.shard);
+    release_storage(p.full);
+  }
+  g.state = Group::State::Released;
+}
+
+void FullyShardedDataParallel::before_backward(Group& g) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (g.state == Group::State::Released) wait_gather(g, /*fresh=*/false);
+  // The backward meets the groups in reverse forward-hook order: prefetch
+  // the one before this group in it.
+  if (post_order_.size() == groups_.size() && g.post_index > 0)
+    prefetch(post_order_[static_cast<size_t>(g.post_index - 1)]);
+}
+
+void FullyShardedDataParallel::on_ready(Group& g, size_t param) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Group::Param& p = g.params[param];
+  TANDEM_CHECK(!g.launched,
+               "[parallel::FSDP] the gradient of '{}' arrived after its group '{}' was "
+               "reduce-scattered: call finish() after each backward",
+               p.name, g.name);
+  if (p.ready) return;
+  p.ready = true;
+  ++g.ready;
+  launch_ready_reduces();
+}
+
+// ---- reducing ----
+
+// Strictly in reverse pre-hook order (Note [FSDP]), once that order is known.
+void FullyShardedDataParallel::launch_ready_reduces() {
+  if (pre_order_.size() != groups_.size()) return;
+  while (next_reduce_ < pre_order_.size()) {
+    Group& g = *pre_order_[pre_order_.size() - 1 - next_reduce_];
+    if (g.ready < static_cast<int>(g.params.size())) return;
+    launch_reduce(g);
+    ++next_reduce_;
+  }
+}
+
+void FullyShardedDataParallel::launch_reduce(Group& g) {
+  NoGradGuard no_grad;
+  const int64_t world = shard_group_->size();
+  // By destination rank: rank r's block holds rows [r * chunk, (r + 1) *
+  // chunk) of every parameter's gradient, zero-padded, in group order.
+  Tensor packed = ops::zeros({world, g.packed}, g.dtype, g.device);
+  for (Group::Param& p : g.params) {
+    Tensor gfull = p.full.defined() ? grad(p.full) : Tensor();
+    if (!gfull.defined() || p.rows == 0) continue;
+    Tensor padded = ops::zeros({world * p.chunk, p.row_numel}, g.dtype, g.device);
+    ops::copy_(ops::narrow(padded, 0, 0, p.rows), ops::reshape(gfull, {p.rows, p.row_numel}));
+    ops::copy_(ops::narrow(packed, 1, p.offset, p.chunk * p.row_numel),
+               ops::reshape(padded, {world, p.chunk * p.row_numel}));
+  }
+  if (g.packed == 0) {
+    g.reduce = std::make_shared<Work>("fsdp reduce_scatter " + g.name);
+    g.reduce->set_outputs({ops::zeros({0}, g.dtype, g.device)});
+    g.reduce->finish();
+  } else {
+    g.reduce = shard_group_->reduce_scatter(ops::reshape(packed, {world * g.packed}),
+                                            {options_.op, 0, "fsdp reduce_scatter " + g.name});
+    g.reduce->progress_in_background();
+  }
+  g.launched = true;
+  // The whole parameters and their gradients are done with.
+  for (Group::Param& p : g.params) {
+    if (p.ready_hook >= 0) remove_grad_ready_hook(p.ready_hook);
+    p.ready_hook = -1;
+    if (!p.full.defined()) continue;
+    zero_grad(p.full);
+    p.owner->assign_parameter(p.local, p.shard);
+    if (g.state == Group::State::Gathered) release_storage(p.full);
+    p.full = Tensor();
+  }
+  g.state = Group::State::Sharded;
+}
+
+void FullyShardedDataParallel::finish() {
+  std::lock_guard<std::mutex> lock(mu_);
+  NoGradGuard no_grad;
+  // What is still held: in reverse pre-hook order, then any group the
+  // forward never reached, in construction order.
+  for (size_t k = next_reduce_; k < pre_order_.size(); ++k)
+    launch_reduce(*pre_order_[pre_order_.size() - 1 - k]);
+  for (auto& g : groups_) {
+    if (!g->launched) launch_reduce(*g);
+  }
+  for (auto& g : groups_) {
+    WorkPtr work = std::move(g->reduce);
+    work->wait();
+    Tensor reduced = work->result();
+    if (replicate_group_ != nullptr && g->packed > 0) {
+      WorkPtr all =
+          replicate_group_->all_reduce(reduced, {options_.op, "fsdp all_reduce " + g->name});
+      all->wait();
+      reduced = all->result();
+    }
+    for (Group::Param& p : g->params) {
+      Tensor piece = ops::reshape(ops::narrow(reduced, 0, p.offset, p.local_rows * p.row_numel),
+                                  p.shard.shape());
+      const Tensor existing = grad(p.shard);
+      set_grad(p.shard, existing.defined() ? ops::add(existing, piece) : ops::clone(piece));
+      p.ready = false;
+    }
+    g->ready = 0;
+    g->launched = false;
+  }
+  next_reduce_ = 0;
+}
+
+int FullyShardedDataParallel::num_groups() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(groups_.size());
+}
+
+std::vector<std::string> FullyShardedDataParallel::forward_order() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> names;
+  for (const Group* g : pre_order_)
+    names.push_back(g->name);
+  return names;
+}
+
+int FullyShardedDataParallel::launched() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(next_reduce_);
+}
+
+int FullyShardedDataParallel::prefetches() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return prefetches_;
+}
+
+}  // namespace tandem

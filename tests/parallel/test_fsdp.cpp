@@ -1,0 +1,289 @@
+// Fully sharded data parallelism (parallel/fsdp.h, Note [FSDP]): each rank
+// holds its Shard(0) rows of every parameter (uneven and empty shards
+// included); the reduced shard gradients and a few AdamW steps equal the
+// one-rank model's within rounding, flat and HSDP; the gathered parameters'
+// memory is released after the forward and comes back for the backward;
+// all-gathers are prefetched and reduce-scatters launched during the
+// backward; misuse is refused by name. Ranks train on test_device().
+#include <catch2/catch.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/autograd/nn/container.h"
+#include "tandem/autograd/nn/linear.h"
+#include "tandem/autograd/ops.h"
+#include "tandem/autograd/optim.h"
+#include "tandem/comm/threads/threads_backend.h"
+#include "tandem/parallel/fsdp.h"
+#include "tandem/parallel/param_placement.h"
+#include "tandem/parallel/placement.h"
+#include "tandem/runtime/allocator.h"
+#include "tandem/tensor/storage.h"
+#include "tests/support/rank_checks.h"
+#include "tests/support/test_device.h"
+
+using namespace tandem;
+using Catch::Matchers::Contains;
+
+namespace {
+
+constexpr int64_t kIn = 32, kBatch = 3;
+
+// Linear layers 32 -> w[0] -> w[1] -> ..., then tanh and a scale of the
+// last width owned by the root itself: weights of 30, 5 and 3 rows over 4
+// ranks give shards of 8/8/8/6, 2/2/1/0 and 1/1/1/0 rows.
+class Stack final : public Module {
+ public:
+  Stack(const std::vector<int64_t>& widths, Generator& gen) : Module("Stack") {
+    int64_t in = kIn;
+    for (size_t i = 0; i < widths.size(); ++i) {
+      layers_.push_back(register_module(
+          "l" + std::to_string(i),
+          nn::make<nn::Linear>({.in_features = in, .out_features = widths[i]}, gen)));
+      in = widths[i];
+    }
+    scale_ = ops::add(ops::rand({in}, gen), 0.5);
+    register_parameter("scale", &scale_);
+  }
+  std::vector<std::shared_ptr<Module>> blocks() const { return {layers_.begin(), layers_.end()}; }
+
+ protected:
+  std::vector<Tensor> forward(Args& args) override {
+    Tensor h = nn::single_input(args, "Stack");
+    for (auto& l : layers_)
+      h = (*l)(h);
+    return {mul(tanh(h), scale_)};
+  }
+
+ private:
+  std::vector<std::shared_ptr<nn::Linear>> layers_;
+  Tensor scale_;
+};
+
+const std::vector<int64_t> kWidths = {30, 5, 3};
+
+std::shared_ptr<Stack> make_model(const std::vector<int64_t>& widths = kWidths) {
+  Generator gen(3);  // the same weights on every rank
+  auto m = std::make_shared<Stack>(widths, gen);
+  m->to(test::test_device());
+  return m;
+}
+
+// Data rank r's rows of a global batch of ranks * kBatch rows.
+Tensor batch_of(int rank, int ranks, int step = 0) {
+  Generator gen(100 + static_cast<uint64_t>(step));
+  Tensor all = ops::randn({ranks * kBatch, kIn}, gen);
+  return test::on_test_device(ops::narrow(all, 0, rank * kBatch, kBatch));
+}
+
+Tensor loss_of(Module& m, const Tensor& x) {
+  return sum(m(x));
+}
+
+// The one-rank model's parameters after `steps` AdamW steps on the whole
+// batch (and its gradients of the last step), by name, on the CPU.
+struct Reference {
+  std::map<std::string, Tensor> params, grads;
+};
+Reference one_rank(int ranks, int steps, const std::vector<int64_t>& widths = kWidths) {
+  auto model = make_model(widths);
+  optim::AdamW opt(model->named_parameters(), {.lr = 1e-2});
+  Reference r;
+  for (int s = 0; s < steps; ++s) {
+    std::vector<Tensor> rows;
+    for (int q = 0; q < ranks; ++q)
+      rows.push_back(test::on_cpu(batch_of(q, ranks, s)));
+    opt.zero_grad();
+    backward(loss_of(*model, test::on_test_device(ops::cat(rows, 0))));
+    for (const auto& [name, p] : model->named_parameters())
+      r.grads[name] = test::on_cpu(grad(p));
+    opt.step();
+  }
+  for (const auto& [name, p] : model->named_parameters())
+    r.params[name] = test::on_cpu(p);
+  return r;
+}
+
+// This rank's rows (chunk semantics over `parts` ranks) of a whole tensor.
+Tensor rows_of(const Tensor& whole, int64_t parts, int64_t index) {
+  const auto [start, length] = chunk_range(whole.shape()[0], parts, index);
+  return ops::narrow(whole, 0, start, length);
+}
+
+}  // namespace
+
+TEST_CASE("FSDP shards every parameter and reduces the one-rank gradients", "[fsdp]") {
+  constexpr int kRanks = 4, kSteps = 3;
+  const Reference want = one_rank(kRanks, kSteps);
+  for (bool reshard : {true, false}) {
+    INFO("reshard_after_forward " << reshard);
+    tandem::testing::RankChecks rc;
+    run_ranks(kRanks, [&](ProcessGroupPtr pg) {
+      DeviceMesh mesh(pg, {kRanks}, {"dp"}, {}, test::test_device());
+      auto model = make_model();
+      FullyShardedDataParallel fsdp(model, model->blocks(), mesh,
+                                    {.reshard_after_forward = reshard, .op = RedOp::Sum});
+      RANK_CHECK(rc, fsdp.num_groups() == 4);  // l0, l1, l2 and the root's scale
+      // Each parameter is this rank's rows, recorded as Shard(0) over "dp".
+      for (const auto& [name, p] : model->named_parameters()) {
+        const Tensor whole = want.params.at(name);
+        RANK_CHECK(rc, p.shape()[0] == chunk_range(whole.shape()[0], kRanks, pg->rank()).second);
+        auto placed = param_placement(p);
+        RANK_CHECK(rc, placed != nullptr && placed->split_over("dp") &&
+                           placed->global_shape == whole.shape());
+      }
+      optim::AdamW opt(model->named_parameters(), {.lr = 1e-2});
+      for (int s = 0; s < kSteps; ++s) {
+        opt.zero_grad();
+        backward(loss_of(*model, batch_of(pg->rank(), kRanks, s)));
+        fsdp.finish();
+        if (s == kSteps - 1) {
+          for (const auto& [name, p] : model->named_parameters()) {
+            const Tensor g = grad(p);
+            RANK_CHECK(rc, g.defined() && g.shape() == p.shape());
+            if (g.defined()) {
+              RANK_CHECK(
+                  rc, ops::allclose(test::on_cpu(g),
+                                    rows_of(want.grads.at(name), kRanks, pg->rank()), 1e-5, 1e-6));
+            }
+          }
+        }
+        opt.step();
+      }
+      // Between steps every module holds its shards again.
+      for (const auto& [name, p] : model->named_parameters()) {
+        RANK_CHECK(rc,
+                   ops::allclose(test::on_cpu(p), rows_of(want.params.at(name), kRanks, pg->rank()),
+                                 1e-5, 1e-6));
+      }
+    });
+    rc.report();
+  }
+}
+
+TEST_CASE("FSDP on a 2-D mesh (HSDP) reduces over both dims", "[fsdp]") {
+  constexpr int kRanks = 4, kSteps = 2;
+  const Reference want = one_rank(kRanks, kSteps);
+  tandem::testing::RankChecks rc;
+  run_ranks(kRanks, [&](ProcessGroupPtr pg) {
+    // (replicate, shard) = (2, 2): data rank = the global rank.
+    DeviceMesh mesh(pg, {2, 2}, {"rep", "shard"}, {}, test::test_device());
+    auto model = make_model();
+    FullyShardedDataParallel fsdp(model, model->blocks(), mesh, {.op = RedOp::Sum});
+    const int shard = mesh.get_local_rank("shard");
+    optim::AdamW opt(model->named_parameters(), {.lr = 1e-2});
+    for (int s = 0; s < kSteps; ++s) {
+      opt.zero_grad();
+      backward(loss_of(*model, batch_of(pg->rank(), kRanks, s)));
+      fsdp.finish();
+      opt.step();
+    }
+    for (const auto& [name, p] : model->named_parameters()) {
+      RANK_CHECK(rc, ops::allclose(test::on_cpu(grad(p)), rows_of(want.grads.at(name), 2, shard),
+                                   1e-5, 1e-6));
+      RANK_CHECK(
+          rc, ops::allclose(test::on_cpu(p), rows_of(want.params.at(name), 2, shard), 1e-5, 1e-6));
+    }
+  });
+  rc.report();
+}
+
+TEST_CASE("FSDP prefetches all-gathers and reduce-scatters during the backward", "[fsdp]") {
+  constexpr int kRanks = 2;
+  tandem::testing::RankChecks rc;
+  run_ranks(kRanks, [&](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {kRanks}, {"dp"}, {}, test::test_device());
+    auto model = make_model();
+    FullyShardedDataParallel fsdp(model, model->blocks(), mesh);
+    const int groups = fsdp.num_groups();
+    for (int s = 0; s < 2; ++s) {
+      backward(loss_of(*model, batch_of(pg->rank(), kRanks, s)));
+      // Every group's reduce-scatter left during the backward.
+      RANK_CHECK(rc, fsdp.launched() == groups);
+      fsdp.finish();
+      RANK_CHECK(rc, fsdp.launched() == 0);
+      model->zero_grad();
+      if (s == 0) {
+        RANK_CHECK(rc,
+                   (fsdp.forward_order() == std::vector<std::string>{"root", "l0", "l1", "l2"}));
+        // The first forward records the order; its backward already
+        // prefetches every group but the first it meets.
+        RANK_CHECK(rc, fsdp.prefetches() == groups - 1);
+      }
+    }
+    // The second step prefetches in both directions.
+    RANK_CHECK(rc, fsdp.prefetches() == 3 * (groups - 1));
+  });
+  rc.report();
+}
+
+TEST_CASE("FSDP releases the gathered parameters after the forward", "[fsdp]") {
+  constexpr int kRanks = 2;
+  // Wide layers, so that parameters dominate what a forward allocates.
+  const std::vector<int64_t> widths = {512, 512, 8};
+  const Device device = test::test_device();
+  int64_t whole_bytes = 0;
+  for (const auto& [name, p] : make_model(widths)->named_parameters())
+    whole_bytes += p.numel() * 4;
+  int64_t held[2] = {0, 0};  // rank 0's view of the process: after - before forward
+  for (bool reshard : {false, true}) {
+    tandem::testing::RankChecks rc;
+    run_ranks(kRanks, [&](ProcessGroupPtr pg) {
+      DeviceMesh mesh(pg, {kRanks}, {"dp"}, {}, device);
+      auto model = make_model(widths);
+      FullyShardedDataParallel fsdp(model, model->blocks(), mesh,
+                                    {.reshard_after_forward = reshard});
+      const Tensor x = batch_of(pg->rank(), kRanks);
+      auto settle = [&] {
+        current_stream(device).synchronize();
+        pg->barrier()->wait();
+      };
+      settle();
+      const int64_t before = memory_stats(device).allocated_bytes;
+      settle();
+      Tensor loss = loss_of(*model, x);
+      settle();
+      if (pg->rank() == 0) held[reshard ? 1 : 0] = memory_stats(device).allocated_bytes - before;
+      settle();
+      // The backward restores what the forward released, and still works.
+      backward(loss);
+      fsdp.finish();
+      for (const auto& [name, p] : model->named_parameters())
+        RANK_CHECK(rc, grad(p).defined() && !storage_released(p));
+    });
+    rc.report();
+  }
+  // Without resharding both ranks hold every whole parameter until the
+  // backward; with it, none of them.
+  INFO("held after the forward: " << held[0] << " bytes kept, " << held[1]
+                                  << " resharded; whole parameters " << whole_bytes);
+  CHECK(held[0] - held[1] >= kRanks * whole_bytes * 9 / 10);
+  CHECK(held[1] < kRanks * whole_bytes / 10);
+}
+
+TEST_CASE("FSDP refuses misuse by name", "[fsdp]") {
+  run_ranks(2, [&](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {2}, {"dp"}, {}, test::test_device());
+    auto model = make_model();
+    auto stranger = make_model();
+    CHECK_THROWS_WITH(FullyShardedDataParallel(model, stranger->blocks(), mesh),
+                      Contains("inside the root"));
+    CHECK_THROWS_WITH(
+        FullyShardedDataParallel(model, {model->blocks()[0], model->blocks()[0]}, mesh),
+        Contains("'l0' twice"));
+    CHECK_THROWS_WITH(FullyShardedDataParallel(model, model->blocks(), mesh, {.shard_dim = "tp"}),
+                      Contains("dp"));
+    FullyShardedDataParallel fsdp(model, model->blocks(), mesh);
+    const Tensor x = batch_of(pg->rank(), 2);
+    Tensor first = loss_of(*model, x);
+    CHECK_THROWS_WITH(loss_of(*model, x), Contains("before its next forward"));
+    // Evaluating under NoGradGuard between steps is fine.
+    backward(first);
+    fsdp.finish();
+    NoGradGuard no_grad;
+    CHECK(loss_of(*model, x).defined());
+    CHECK(loss_of(*model, x).defined());
+  });
+}
