@@ -117,6 +117,9 @@ struct Replay {
       auto it = leaf_grads.find(leaf);
       if (it == leaf_grads.end()) continue;  // no gradient this backward
       Tensor g = apply_hooks(leaf->leaf_hooks, it->second);
+      // Nothing adds to it any more; a hook that drops grad() (FSDP, once
+      // the gradient is reduce-scattered) frees it.
+      leaf_grads.erase(it);
       {
         std::lock_guard<std::mutex> lock(leaf->mu);
         leaf->grad = leaf->grad.defined() ? ops::add(leaf->grad, g) : g;

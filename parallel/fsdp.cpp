@@ -50,12 +50,32 @@ namespace {
 
 using Group = FullyShardedDataParallel::Group;
 
-// Rows [0, rows) of parameter `p` out of a gathered (W * packed) buffer.
-Tensor gathered_rows(const Group& g, const Group::Param& p, const Tensor& gathered, int64_t world) {
-  Tensor block = ops::narrow(ops::reshape(gathered, {world, g.packed}), 1, p.offset,
-                             p.chunk * p.row_numel);  // (W, chunk * row)
-  Tensor rows = ops::reshape(ops::contiguous(block), {world * p.chunk, p.row_numel});
-  return ops::reshape(ops::narrow(rows, 0, 0, p.rows), p.shape);
+// Copies parameter `p`'s rows of every rank out of a gathered (W * packed)
+// buffer into `whole` (its full shape), one copy per rank: no intermediate of
+// the whole's size.
+void copy_from_ranks(const Group& g, const Group::Param& p, const Tensor& gathered,
+                     const Tensor& whole, int64_t world) {
+  const Tensor blocks = ops::reshape(gathered, {world, g.packed});
+  const Tensor rows = ops::reshape(whole, {p.rows, p.row_numel});
+  for (int64_t r = 0; r < world; ++r) {
+    const auto [start, length] = chunk_range(p.rows, world, r);
+    if (length == 0) continue;
+    const Tensor src = ops::narrow(ops::narrow(blocks, 0, r, 1), 1, p.offset, length * p.row_numel);
+    ops::copy_(ops::narrow(rows, 0, start, length), ops::reshape(src, {length, p.row_numel}));
+  }
+}
+
+// The inverse for gradients: rank r's block of `packed` (W, packed) gets
+// rows [r * chunk, (r + 1) * chunk) of `whole` (the padding stays zero).
+void copy_to_ranks(const Group::Param& p, const Tensor& whole, const Tensor& packed,
+                   int64_t world) {
+  const Tensor rows = ops::reshape(whole, {p.rows, p.row_numel});
+  for (int64_t r = 0; r < world; ++r) {
+    const auto [start, length] = chunk_range(p.rows, world, r);
+    if (length == 0) continue;
+    const Tensor dst = ops::narrow(ops::narrow(packed, 0, r, 1), 1, p.offset, length * p.row_numel);
+    ops::copy_(dst, ops::reshape(ops::narrow(rows, 0, start, length), {1, length * p.row_numel}));
+  }
 }
 
 // The leaf `owner` holds as its own parameter `local`.
@@ -250,14 +270,15 @@ void FullyShardedDataParallel::wait_gather(Group& g, bool fresh) {
   const int64_t world = shard_group_->size();
   for (size_t i = 0; i < g.params.size(); ++i) {
     Group::Param& p = g.params[i];
-    const Tensor rows = gathered_rows(g, p, gathered, world);
     if (!fresh) {
       restore_storage(p.full);
-      ops::copy_(p.full, rows);
+      copy_from_ranks(g, p, gathered, p.full, world);
       continue;
     }
     if (p.ready_hook >= 0) remove_grad_ready_hook(p.ready_hook);  // a forward without backward
-    p.owner->set_parameter(p.local, ops::clone(rows));
+    Tensor whole = ops::zeros(p.shape, g.dtype, g.device);
+    copy_from_ranks(g, p, gathered, whole, world);
+    p.owner->set_parameter(p.local, whole);
     p.full = own_parameter(*p.owner, p.local);
     p.ready = false;
     p.ready_hook =
@@ -296,6 +317,10 @@ void FullyShardedDataParallel::after_forward(Group& g) {
     post_order_.push_back(&g);
   }
   if (!options_.reshard_after_forward || g.state != Group::State::Gathered) return;
+  // The last group to finish its forward is the first the backward needs:
+  // releasing it would only gather it again at once.
+  if (post_order_.size() == groups_.size() && g.post_index == static_cast<int>(groups_.size()) - 1)
+    return;
   for (Group::Param& p : g.params) {
     p.owner->assign_parameter(p.local, p.shard);
     release_storage(p.full);
@@ -345,12 +370,8 @@ void FullyShardedDataParallel::launch_reduce(Group& g) {
   // chunk) of every parameter's gradient, zero-padded, in group order.
   Tensor packed = ops::zeros({world, g.packed}, g.dtype, g.device);
   for (Group::Param& p : g.params) {
-    Tensor gfull = p.full.defined() ? grad(p.full) : Tensor();
-    if (!gfull.defined() || p.rows == 0) continue;
-    Tensor padded = ops::zeros({world * p.chunk, p.row_numel}, g.dtype, g.device);
-    ops::copy_(ops::narrow(padded, 0, 0, p.rows), ops::reshape(gfull, {p.rows, p.row_numel}));
-    ops::copy_(ops::narrow(packed, 1, p.offset, p.chunk * p.row_numel),
-               ops::reshape(padded, {world, p.chunk * p.row_numel}));
+    const Tensor gfull = p.full.defined() ? grad(p.full) : Tensor();
+    if (gfull.defined()) copy_to_ranks(p, gfull, packed, world);
   }
   if (g.packed == 0) {
     g.reduce = std::make_shared<Work>("fsdp reduce_scatter " + g.name);

@@ -31,6 +31,8 @@
 // reshard_after_forward (the default), the forward hook puts the shard back
 // and releases the whole tensor's memory (Note [Released storage]): the
 // graph keeps views of it, whose data come back before they are needed.
+// Once the order is known, the last group to finish its forward keeps its
+// parameters: the backward needs them first.
 //
 // Backward. A group's backward pre-hook (before any node of the block runs
 // backward) waits for its all-gather again, restores the whole tensors'

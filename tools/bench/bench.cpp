@@ -88,6 +88,7 @@ Timing summarize(const std::vector<double>& per_call, int reps) {
 // Shows a time as a rate when the row knows its flops (GFLOP/s on CPU,
 // TFLOP/s on a GPU), else in milliseconds.
 std::string format_speed(const Row& row, double seconds) {
+  if (row.memory) return fmt::format("{:.2f} MiB", seconds / (1 << 20));  // bytes
   if (row.flops > 0) {
     bool gpu = row.device != "cpu";
     double scale = gpu ? 1e12 : 1e9;
@@ -117,6 +118,11 @@ nlohmann::ordered_json row_json(const Row& row) {
   const Timing& b = row.timing.baseline;
   j["status"] = row.passed() ? "pass" : "fail";
   j["ratio"] = row.ratio();
+  if (row.memory) {
+    j["tandem_bytes"] = t.median_s;
+    j["baseline_bytes"] = b.median_s;
+    return j;
+  }
   j["tandem_ms"] = t.median_s * 1e3;
   j["baseline_ms"] = b.median_s * 1e3;
   j["tandem_min_ms"] = t.min_s * 1e3;

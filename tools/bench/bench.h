@@ -105,7 +105,10 @@ struct Row {
   int threads = 1;       // CPU threads of both sides; 0 on a GPU
   std::string baseline;  // what the baseline is ("cblas_sgemm", "loop", …)
   double flops = 0;      // per call; when > 0 the table shows rates, not times
-  double target = 0;     // the row passes when ratio() >= target
+  // A memory row: timing's median_s and min_s hold bytes, not seconds, and
+  // the ratio is baseline bytes / tandem bytes (> 1: tandem holds less).
+  bool memory = false;
+  double target = 0;  // the row passes when ratio() >= target
   PairTiming timing;
   std::string error;  // set when the row could not be measured
   // Set, with the reason, when the row was not measured for a reason that is
@@ -197,6 +200,8 @@ int run_dtensor(const Options& options);  // bench_dtensor.cpp
 int run_cp(const Options& options);       // bench_cp.cpp (--backend mpi: bench_cp_plain.cpp)
 int run_overlap(const Options& options);  // bench_overlap.cpp
 int run_fsdp(const Options& options);     // bench_fsdp.cpp
+// The FSDP rows of `fsdp` (bench_fsdp_sharded.cpp).
+void bench_fsdp_sharded(Report& report, const Options& options);
 // Every sub-benchmark's --quick run in this process, as one JSON document
 // written to `json_path` (stdout when empty); progress on stderr.
 int run_all(const std::string& json_path);  // bench_all.cpp

@@ -1,6 +1,6 @@
-// `tandem-bench fsdp`: data parallelism's gradient reduction against the
-// step without one, on 4 rank threads. Today the DDP rows (parallel/ddp.h);
-// the fully sharded modes of issue 19 are still to come.
+// `tandem-bench fsdp`: data parallelism on 4 rank threads. The DDP rows
+// (parallel/ddp.h): the gradient reduction against the step without one;
+// the FSDP rows (parallel/fsdp.h) are bench_fsdp_sharded.cpp's.
 //
 // Note [DDP benchmark]
 // ~~~~~~~~~~~~~~~~~~~~
@@ -217,6 +217,7 @@ int run_fsdp(const Options& options) {
     }
   }
   report.set("modes", std::move(modes), text);
+  bench_fsdp_sharded(report, options);  // Note [FSDP benchmark]
   return report.finish();
 }
 
