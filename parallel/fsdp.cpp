@@ -38,9 +38,9 @@ struct FullyShardedDataParallel::Group {
   DType dtype = DType::F32;
   Device device;
   State state = State::Sharded;
-  WorkPtr gather;  // in flight
-  WorkPtr reduce;  // this backward's reduce-scatter
-  bool launched = false;
+  WorkPtr gather;                // in flight
+  std::vector<WorkPtr> reduces;  // one per backward since the last finish()
+  bool launched = false;         // in the current round (one backward's worth)
   int ready = 0;
   int pre_index = -1, post_index = -1;  // in the recorded forward orders
   bool graph = false;                   // the last forward recorded a graph (grad mode on)
@@ -299,6 +299,10 @@ void FullyShardedDataParallel::before_forward(Group& g) {
                "would find the gathered parameters gone (evaluate under NoGradGuard)",
                g.name);
   g.graph = grad_mode_enabled();
+  // A new forward after a backward (gradient accumulation: micro-batch i + 1
+  // after micro-batch i's backward): that backward's round ends here, on
+  // every rank at the same point, before its whole leaves are replaced.
+  if (g.pre_index == 0) flush_round();
   if (g.pre_index < 0) {
     g.pre_index = static_cast<int>(pre_order_.size());
     pre_order_.push_back(&g);
@@ -340,13 +344,10 @@ void FullyShardedDataParallel::before_backward(Group& g) {
 void FullyShardedDataParallel::on_ready(Group& g, size_t param) {
   std::lock_guard<std::mutex> lock(mu_);
   Group::Param& p = g.params[param];
-  TANDEM_CHECK(!g.launched,
-               "[parallel::FSDP] the gradient of '{}' arrived after its group '{}' was "
-               "reduce-scattered: call finish() after each backward",
-               p.name, g.name);
   if (p.ready) return;
   p.ready = true;
   ++g.ready;
+  round_active_ = true;
   launch_ready_reduces();
 }
 
@@ -374,15 +375,19 @@ void FullyShardedDataParallel::launch_reduce(Group& g) {
     if (gfull.defined()) copy_to_ranks(p, gfull, packed, world);
   }
   if (g.packed == 0) {
-    g.reduce = std::make_shared<Work>("fsdp reduce_scatter " + g.name);
-    g.reduce->set_outputs({ops::zeros({0}, g.dtype, g.device)});
-    g.reduce->finish();
+    g.reduces.push_back(std::make_shared<Work>("fsdp reduce_scatter " + g.name));
+    g.reduces.back()->set_outputs({ops::zeros({0}, g.dtype, g.device)});
+    g.reduces.back()->finish();
   } else {
-    g.reduce = shard_group_->reduce_scatter(ops::reshape(packed, {world * g.packed}),
-                                            {options_.op, 0, "fsdp reduce_scatter " + g.name});
-    g.reduce->progress_in_background();
+    g.reduces.push_back(
+        shard_group_->reduce_scatter(ops::reshape(packed, {world * g.packed}),
+                                     {options_.op, 0, "fsdp reduce_scatter " + g.name}));
+    g.reduces.back()->progress_in_background();
   }
   g.launched = true;
+  g.ready = 0;
+  for (Group::Param& p : g.params)
+    p.ready = false;
   // The whole parameters and their gradients are done with.
   for (Group::Param& p : g.params) {
     if (p.ready_hook >= 0) remove_grad_ready_hook(p.ready_hook);
@@ -396,20 +401,36 @@ void FullyShardedDataParallel::launch_reduce(Group& g) {
   g.state = Group::State::Sharded;
 }
 
+// Ends a round: launches what it still holds, in reverse pre-hook order,
+// then any group the forward never reached, in construction order.
+void FullyShardedDataParallel::flush_round() {
+  if (!round_active_) return;
+  for (size_t k = next_reduce_; k < pre_order_.size(); ++k) {
+    Group& g = *pre_order_[pre_order_.size() - 1 - k];
+    if (!g.launched) launch_reduce(g);
+  }
+  for (auto& g : groups_) {
+    if (!g->launched) launch_reduce(*g);
+    g->launched = false;
+  }
+  next_reduce_ = 0;
+  round_active_ = false;
+}
+
 void FullyShardedDataParallel::finish() {
   std::lock_guard<std::mutex> lock(mu_);
   NoGradGuard no_grad;
-  // What is still held: in reverse pre-hook order, then any group the
-  // forward never reached, in construction order.
-  for (size_t k = next_reduce_; k < pre_order_.size(); ++k)
-    launch_reduce(*pre_order_[pre_order_.size() - 1 - k]);
+  flush_round();
   for (auto& g : groups_) {
-    if (!g->launched) launch_reduce(*g);
-  }
-  for (auto& g : groups_) {
-    WorkPtr work = std::move(g->reduce);
-    work->wait();
-    Tensor reduced = work->result();
+    // The rounds' reduced shards, summed here: one all-reduce over the
+    // replicate dim for all of them.
+    Tensor reduced;
+    for (WorkPtr& work : g->reduces) {
+      work->wait();
+      reduced = reduced.defined() ? ops::add(reduced, work->result()) : work->result();
+    }
+    g->reduces.clear();
+    if (!reduced.defined()) continue;
     if (replicate_group_ != nullptr && g->packed > 0) {
       WorkPtr all =
           replicate_group_->all_reduce(reduced, {options_.op, "fsdp all_reduce " + g->name});
@@ -421,12 +442,8 @@ void FullyShardedDataParallel::finish() {
                                   p.shard.shape());
       const Tensor existing = grad(p.shard);
       set_grad(p.shard, existing.defined() ? ops::add(existing, piece) : ops::clone(piece));
-      p.ready = false;
     }
-    g->ready = 0;
-    g->launched = false;
   }
-  next_reduce_ = 0;
 }
 
 int FullyShardedDataParallel::num_groups() const {

@@ -45,10 +45,12 @@
 // reverse forward order on every rank, so every rank issues the same
 // collectives in the same order (a group whose parameter got no gradient
 // holds it and every later one until finish(), which reduces zeros for it,
-// as DDP does). With a replicate dim (HSDP on a 2-D mesh), finish() also
-// all-reduces each reduced shard over it. finish() waits, and adds each
-// shard's reduced gradient to its grad(): call it after every backward
-// (gradient accumulation adds up over finish() calls).
+// as DDP does). Each backward is one round of reduce-scatters; the first
+// forward pre-hook after a backward ends its round (launching what it holds)
+// before that group's whole leaves are replaced, so micro-batches may run
+// forward and backward in turn before one finish(). finish() ends the round,
+// waits, sums each group's rounds, all-reduces the sum over the replicate
+// dim (HSDP on a 2-D mesh) and adds each shard's part to its grad().
 //
 // Not (yet) covered: parameters already split along dim 0 by another style
 // (tensor parallelism's colwise: refused by name), the dual-pipe schedule's
@@ -90,8 +92,8 @@ class FullyShardedDataParallel {
 
   // Launches the reduce-scatters still held (zeros for parameters without a
   // gradient), waits for every one, all-reduces over the replicate dim, and
-  // adds each shard's reduced gradient to its grad(). Collective; call after
-  // every backward.
+  // adds each shard's reduced gradient to its grad(). Collective; call once
+  // per step, after the last backward (micro-batches accumulate before it).
   void finish();
 
   int num_groups() const;
@@ -100,8 +102,8 @@ class FullyShardedDataParallel {
   // the hook that needed them (prefetches) since construction.
   std::vector<std::string> forward_order() const;
   int prefetches() const;
-  // Groups whose reduce-scatter the backward launched since the last
-  // finish().
+  // Groups whose reduce-scatter the last backward launched in order during
+  // it (0 after finish()).
   int launched() const;
 
   struct Group;  // fsdp.cpp
@@ -120,6 +122,7 @@ class FullyShardedDataParallel {
   void wait_gather(Group& g, bool fresh);
   void launch_ready_reduces();
   void launch_reduce(Group& g);
+  void flush_round();
 
   std::shared_ptr<Module> root_;
   FSDPOptions options_;
@@ -130,7 +133,8 @@ class FullyShardedDataParallel {
   // The order of the groups' forward pre-hooks and forward hooks in the
   // first forward; the reduce-scatters launch in reverse pre-hook order.
   std::vector<Group*> pre_order_, post_order_;
-  size_t next_reduce_ = 0;
+  size_t next_reduce_ = 0;     // groups launched in order in this round
+  bool round_active_ = false;  // a backward since the round began
   int prefetches_ = 0;
   mutable std::mutex mu_;
 };

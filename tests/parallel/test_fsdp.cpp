@@ -163,6 +163,38 @@ TEST_CASE("FSDP shards every parameter and reduces the one-rank gradients", "[fs
   }
 }
 
+TEST_CASE("FSDP accumulates micro-batches before one finish()", "[fsdp]") {
+  constexpr int kRanks = 4, kMicro = 3;
+  // The one-rank gradient of the micro-batches' summed losses.
+  auto whole = make_model();
+  for (int m = 0; m < kMicro; ++m) {
+    std::vector<Tensor> rows;
+    for (int q = 0; q < kRanks; ++q)
+      rows.push_back(test::on_cpu(batch_of(q, kRanks, m)));
+    backward(loss_of(*whole, test::on_test_device(ops::cat(rows, 0))));
+  }
+  tandem::testing::RankChecks rc;
+  run_ranks(kRanks, [&](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {kRanks}, {"dp"}, {}, test::test_device());
+    auto model = make_model();
+    FullyShardedDataParallel fsdp(model, model->blocks(), mesh, {.op = RedOp::Sum});
+    for (int step = 0; step < 2; ++step) {
+      model->zero_grad();
+      for (int m = 0; m < kMicro; ++m)
+        backward(loss_of(*model, batch_of(pg->rank(), kRanks, m)));
+      fsdp.finish();
+    }
+    const auto want = whole->named_parameters();
+    const auto got = model->named_parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      RANK_CHECK(rc, ops::allclose(test::on_cpu(grad(got[i].second)),
+                                   rows_of(test::on_cpu(grad(want[i].second)), kRanks, pg->rank()),
+                                   1e-5, 1e-6));
+    }
+  });
+  rc.report();
+}
+
 TEST_CASE("FSDP on a 2-D mesh (HSDP) reduces over both dims", "[fsdp]") {
   constexpr int kRanks = 4, kSteps = 2;
   const Reference want = one_rank(kRanks, kSteps);
