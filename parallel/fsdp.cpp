@@ -292,17 +292,19 @@ void FullyShardedDataParallel::wait_gather(Group& g, bool fresh) {
 
 void FullyShardedDataParallel::before_forward(Group& g) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (is_recomputing() || g.state == Group::State::Gathered) return;
+  if (is_recomputing()) return;
+  // A new forward after a backward (gradient accumulation: micro-batch i + 1
+  // after micro-batch i's backward): that backward's round ends here, on
+  // every rank at the same point, before its whole leaves are replaced (a
+  // group it holds may still be gathered for its backward).
+  if (g.pre_index == 0) flush_round();
+  if (g.state == Group::State::Gathered) return;
   TANDEM_CHECK(g.state != Group::State::Released || !g.graph,
                "[parallel::FSDP] expected the backward of group '{}''s last forward (and "
                "finish()) before its next forward, got a second forward: its first graph "
                "would find the gathered parameters gone (evaluate under NoGradGuard)",
                g.name);
   g.graph = grad_mode_enabled();
-  // A new forward after a backward (gradient accumulation: micro-batch i + 1
-  // after micro-batch i's backward): that backward's round ends here, on
-  // every rank at the same point, before its whole leaves are replaced.
-  if (g.pre_index == 0) flush_round();
   if (g.pre_index < 0) {
     g.pre_index = static_cast<int>(pre_order_.size());
     pre_order_.push_back(&g);

@@ -33,10 +33,16 @@ constexpr int64_t kIn = 32, kBatch = 3;
 
 // Linear layers 32 -> w[0] -> w[1] -> ..., then tanh and a scale of the
 // last width owned by the root itself: weights of 30, 5 and 3 rows over 4
-// ranks give shards of 8/8/8/6, 2/2/1/0 and 1/1/1/0 rows.
+// ranks give shards of 8/8/8/6, 2/2/1/0 and 1/1/1/0 rows. With `unused`, the
+// root also owns a parameter the forward never reads (an expert without
+// tokens, say): it gets no gradient.
 class Stack final : public Module {
  public:
-  Stack(const std::vector<int64_t>& widths, Generator& gen) : Module("Stack") {
+  Stack(const std::vector<int64_t>& widths, Generator& gen, bool unused = false) : Module("Stack") {
+    if (unused) {
+      unused_ = ops::rand({6, 2}, gen);
+      register_parameter("unused", &unused_);
+    }
     int64_t in = kIn;
     for (size_t i = 0; i < widths.size(); ++i) {
       layers_.push_back(register_module(
@@ -59,14 +65,15 @@ class Stack final : public Module {
 
  private:
   std::vector<std::shared_ptr<nn::Linear>> layers_;
-  Tensor scale_;
+  Tensor scale_, unused_;
 };
 
 const std::vector<int64_t> kWidths = {30, 5, 3};
 
-std::shared_ptr<Stack> make_model(const std::vector<int64_t>& widths = kWidths) {
+std::shared_ptr<Stack> make_model(const std::vector<int64_t>& widths = kWidths,
+                                  bool unused = false) {
   Generator gen(3);  // the same weights on every rank
-  auto m = std::make_shared<Stack>(widths, gen);
+  auto m = std::make_shared<Stack>(widths, gen, unused);
   m->to(test::test_device());
   return m;
 }
@@ -165,8 +172,10 @@ TEST_CASE("FSDP shards every parameter and reduces the one-rank gradients", "[fs
 
 TEST_CASE("FSDP accumulates micro-batches before one finish()", "[fsdp]") {
   constexpr int kRanks = 4, kMicro = 3;
-  // The one-rank gradient of the micro-batches' summed losses.
-  auto whole = make_model();
+  // The one-rank gradient of the micro-batches' summed losses. The root's
+  // unused parameter holds the root's group (kept gathered after each
+  // forward: the backward needs it first) until the next forward.
+  auto whole = make_model(kWidths, /*unused=*/true);
   for (int m = 0; m < kMicro; ++m) {
     std::vector<Tensor> rows;
     for (int q = 0; q < kRanks; ++q)
@@ -176,9 +185,9 @@ TEST_CASE("FSDP accumulates micro-batches before one finish()", "[fsdp]") {
   tandem::testing::RankChecks rc;
   run_ranks(kRanks, [&](ProcessGroupPtr pg) {
     DeviceMesh mesh(pg, {kRanks}, {"dp"}, {}, test::test_device());
-    auto model = make_model();
+    auto model = make_model(kWidths, /*unused=*/true);
     FullyShardedDataParallel fsdp(model, model->blocks(), mesh, {.op = RedOp::Sum});
-    for (int step = 0; step < 2; ++step) {
+    for (int step = 0; step < 3; ++step) {
       model->zero_grad();
       for (int m = 0; m < kMicro; ++m)
         backward(loss_of(*model, batch_of(pg->rank(), kRanks, m)));
@@ -187,9 +196,10 @@ TEST_CASE("FSDP accumulates micro-batches before one finish()", "[fsdp]") {
     const auto want = whole->named_parameters();
     const auto got = model->named_parameters();
     for (size_t i = 0; i < got.size(); ++i) {
-      RANK_CHECK(rc, ops::allclose(test::on_cpu(grad(got[i].second)),
-                                   rows_of(test::on_cpu(grad(want[i].second)), kRanks, pg->rank()),
-                                   1e-5, 1e-6));
+      const Tensor g = grad(want[i].second);
+      const Tensor expected = rows_of(
+          g.defined() ? test::on_cpu(g) : ops::zeros(want[i].second.shape()), kRanks, pg->rank());
+      RANK_CHECK(rc, ops::allclose(test::on_cpu(grad(got[i].second)), expected, 1e-5, 1e-6));
     }
   });
   rc.report();

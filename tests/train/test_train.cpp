@@ -192,6 +192,63 @@ TEST_CASE("async context parallelism trains bit-identically to the sync collecti
                                          Catch::Contains("'ring'"));
 }
 
+// Note [FSDP] through tandem-train (--dp-shard): the data ranks of DDP's
+// layout, so the same sequences and, up to the order of the gradient sums
+// (reduce-scatter instead of all-reduce), the same losses.
+TrainOptions sharded(int dp, int dp_shard, int ep, int cp) {
+  TrainOptions o = tiny();
+  o.dp = dp;
+  o.dp_shard = dp_shard;
+  o.ep = ep;
+  o.cp = cp;
+  o.overlap = false;
+  return o;
+}
+
+TEST_CASE("FSDP and HSDP train like DDP on the same data ranks", "[train][fsdp]") {
+  struct Layout {
+    int dp, dp_shard, ep, cp;
+  };
+  for (Layout l :
+       {Layout{4, 4, 1, 1}, Layout{4, 2, 1, 1}, Layout{2, 2, 1, 2}, Layout{2, 2, 2, 1}}) {
+    INFO("dp " << l.dp << " dp_shard " << l.dp_shard << " ep " << l.ep << " cp " << l.cp);
+    const TrainResult ddp = run_training(sharded(l.dp, 1, l.ep, l.cp));
+    const TrainResult fsdp = run_training(sharded(l.dp, l.dp_shard, l.ep, l.cp));
+    REQUIRE(fsdp.steps.size() == ddp.steps.size());
+    for (size_t i = 0; i < ddp.steps.size(); ++i) {
+      INFO("step " << i);
+      CHECK(fsdp.steps[i].loss == Approx(ddp.steps[i].loss).epsilon(1e-5));
+    }
+    // Parameters, gradients and AdamW state of rank 0: about 1/dp_shard of
+    // DDP's (a rank's share of each parameter's rows, rounded up).
+    const double share = static_cast<double>(fsdp.steps.back().state_bytes) /
+                         static_cast<double>(ddp.steps.back().state_bytes);
+    CHECK(share <= 1.0 / l.dp_shard + 0.05);
+    CHECK(share >= 1.0 / l.dp_shard - 0.05);
+  }
+}
+
+TEST_CASE("an FSDP checkpoint resumes bit-exactly, and on DDP", "[train][checkpoint][fsdp]") {
+  TempDir dir("train");
+  TrainOptions o = sharded(2, 2, 1, 1);
+  o.save_dir = (dir.path / "ckpt").string();
+  o.save_every = 3;
+  const std::vector<double> full = losses(run_training(o));
+  REQUIRE(full.size() == 6);
+
+  TrainOptions again = sharded(2, 2, 1, 1);
+  again.resume = (dir.path / "ckpt" / "step-00000003").string();
+  CHECK(losses(run_training(again)) == std::vector<double>(full.begin() + 3, full.end()));
+
+  // Each rank wrote its rows of every parameter; DDP reads them back whole.
+  TrainOptions ddp = sharded(2, 1, 1, 1);
+  ddp.resume = again.resume;
+  const std::vector<double> resharded = losses(run_training(ddp));
+  REQUIRE(resharded.size() == 3);
+  for (size_t i = 0; i < 3; ++i)
+    CHECK(resharded[i] == Approx(full[3 + i]).epsilon(1e-4));
+}
+
 TEST_CASE("resume from a checkpoint is bit-exact", "[train][checkpoint]") {
   TempDir dir("train");
   TrainOptions o = tiny();
@@ -303,6 +360,24 @@ TEST_CASE("bad input is a clear error and overwrites nothing", "[train]") {
   o.model.d_model = 16;
   o.resume = (dir.path / "ckpt").string();
   CHECK_THROWS_WITH(run_training(o), Catch::Contains("different model"));
+}
+
+TEST_CASE("--dp-shard and --dp-replicate set the data layout", "[train][fsdp]") {
+  CHECK(parse_command_line({"tandem-train", "--dp-shard", "4"}).options.dp == 4);
+  Command hsdp = parse_command_line({"tandem-train", "--dp-replicate", "2", "--dp-shard", "2"});
+  CHECK(hsdp.options.dp == 4);
+  CHECK(hsdp.options.dp_shard == 2);
+  CHECK_THROWS_WITH(
+      parse_command_line({"tandem-train", "--dp", "3", "--dp-replicate", "2", "--dp-shard", "2"}),
+      Catch::Contains("--dp = --dp-replicate x --dp-shard = 2 x 2 = 4, got --dp 3"));
+  TrainOptions o = sharded(4, 3, 1, 1);
+  CHECK_THROWS_WITH(validate(o, 4), Catch::Contains("--dp-shard to divide --dp"));
+  o = sharded(2, 2, 1, 1);
+  o.tp = 2;
+  CHECK_THROWS_WITH(validate(o, 4), Catch::Contains("with --tp 2"));
+  o = sharded(2, 2, 2, 1);
+  o.overlap = true;
+  CHECK_THROWS_WITH(validate(o, 4), Catch::Contains("--no-overlap"));
 }
 
 TEST_CASE("the command line parses and rejects bad flags", "[train]") {

@@ -32,6 +32,16 @@ Command parse_command_line(const std::vector<std::string>& args) {
       ->group(launch);
 
   app.add_option("--dp", o.dp, "data-parallel degree")->check(CLI::Range(1, 1024))->group(layout);
+  int dp_replicate = 0;
+  app.add_option("--dp-shard", o.dp_shard,
+                 "FSDP: groups of this many data ranks hold each parameter once (default 1: "
+                 "DDP; alone it sets --dp)")
+      ->check(CLI::Range(1, 1024))
+      ->group(layout);
+  app.add_option("--dp-replicate", dp_replicate,
+                 "HSDP: this many replicas of the --dp-shard groups (--dp = replicate x shard)")
+      ->check(CLI::Range(1, 1024))
+      ->group(layout);
   app.add_option("--ep", o.ep, "expert-parallel degree (divides --experts)")
       ->check(CLI::Range(1, 1024))
       ->group(layout);
@@ -197,6 +207,17 @@ Command parse_command_line(const std::vector<std::string>& args) {
     TANDEM_FAIL("{} (run with --help for the options)", e.what());
   }
   if (*exp) c.kind = Command::Kind::Export;
+  // --dp = --dp-replicate x --dp-shard; --dp-shard alone shards over every
+  // data rank.
+  if (app.count("--dp-replicate") > 0) {
+    const int implied = dp_replicate * o.dp_shard;
+    TANDEM_CHECK(app.count("--dp") == 0 || o.dp == implied,
+                 "[train] expected --dp = --dp-replicate x --dp-shard = {} x {} = {}, got --dp {}",
+                 dp_replicate, o.dp_shard, implied, o.dp);
+    o.dp = implied;
+  } else if (app.count("--dp-shard") > 0 && app.count("--dp") == 0) {
+    o.dp = o.dp_shard;
+  }
   // A dense model has no experts to place: its default layout has no ep, nor
   // expert all-to-alls for the dual-pipe overlap to pair (a Mixtral config
   // asks for them with --ep and --overlap).

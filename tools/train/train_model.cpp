@@ -51,6 +51,12 @@ class MoETrainModel final : public TrainModel {
       out.push_back(model_->block(i)->attn());
     return out;
   }
+  std::vector<std::shared_ptr<Module>> blocks() const override {
+    std::vector<std::shared_ptr<Module>> out;
+    for (int64_t i = 0; i < model_->config().layers; ++i)
+      out.push_back(model_->block(i));
+    return out;
+  }
   bool has_experts() const override { return true; }
   nn::AuxOutput forward(const Tensor& tokens, const std::vector<int64_t>& positions) override {
     Tensor p = ops::from_vector(positions, Shape{static_cast<int64_t>(positions.size())});
@@ -92,6 +98,12 @@ class LlamaTrainModel final : public TrainModel {
     std::vector<std::shared_ptr<nn::SelfAttention>> out;
     for (int64_t i = 0; i < model_->config().num_hidden_layers; ++i)
       out.push_back(model_->model()->layer(i)->self_attn());
+    return out;
+  }
+  std::vector<std::shared_ptr<Module>> blocks() const override {
+    std::vector<std::shared_ptr<Module>> out;
+    for (int64_t i = 0; i < model_->config().num_hidden_layers; ++i)
+      out.push_back(model_->model()->layer(i));
     return out;
   }
   bool has_experts() const override { return model_->config().num_local_experts > 0; }

@@ -51,6 +51,8 @@ class TrainModel {
   // down-projections) row-wise.
   virtual ParallelizePlan tp_plan() const = 0;
   virtual std::vector<std::shared_ptr<nn::SelfAttention>> attention_layers() const = 0;
+  // The decoder layers in order: one FSDP group each (--dp-shard).
+  virtual std::vector<std::shared_ptr<Module>> blocks() const = 0;
   // Whether module() holds nn::MoE layers: expert parallelism and the
   // dual-pipe overlap apply to those.
   virtual bool has_experts() const = 0;

@@ -25,6 +25,7 @@
 #include "tandem/parallel/ddp.h"
 #include "tandem/parallel/device_mesh.h"
 #include "tandem/parallel/dual_pipe.h"
+#include "tandem/parallel/fsdp.h"
 #include "tandem/parallel/param_placement.h"
 #include "tandem/parallel/placement.h"
 #include "tandem/parallel/tensor_parallel.h"
@@ -61,7 +62,12 @@ struct Rank {
   optim::NamedParams params;    // this rank's pieces, placed (Note [Parameter placements])
   std::vector<Tensor> tensors;  // the same, without names
   std::unique_ptr<optim::AdamW> optimizer;
-  std::unique_ptr<DistributedDataParallel> ddp;  // gradient reduction (Note [DDP buckets])
+  std::unique_ptr<DistributedDataParallel> ddp;    // gradient reduction (Note [DDP buckets])
+  std::unique_ptr<FullyShardedDataParallel> fsdp;  // --dp-shard > 1 (Note [FSDP])
+  // The mesh dims of the data ranks and of what DDP sums over (Note
+  // [Training layout]): with FSDP, dp is ("dp_replicate", "dp_shard") and
+  // FSDP reduces over dp_shard itself.
+  std::vector<std::string> data_dims, ddp_dims;
 
   Rank(const TrainOptions& o, const Task& t, ProcessGroupPtr w)
       : options(o), task(t), world(std::move(w)), device(Device::parse(o.device)) {}
@@ -88,17 +94,33 @@ std::string layout_string(const TrainOptions& o, int world) {
                                            : std::string(),
                      o.load_balance ? ", load-balanced" : "", cp_async(o) ? ", async" : "");
   }
+  const std::string dp = o.dp_shard == 1      ? fmt::format("dp {}", o.dp)
+                         : o.dp_shard == o.dp ? fmt::format("dp {} (FSDP)", o.dp)
+                                              : fmt::format("dp {} (HSDP: {} x FSDP {})", o.dp,
+                                                            o.dp / o.dp_shard, o.dp_shard);
   return fmt::format(
-      "{} ranks, {} backend, {}: dp {} x ep {} x cp {}{} x tp {}; {} micro-batches, "
+      "{} ranks, {} backend, {}: {} x ep {} x cp {}{} x tp {}; {} micro-batches, "
       "{}",
-      world, o.backend, o.device, o.dp, o.ep, o.cp, cp, o.tp, o.micro_batches,
+      world, o.backend, o.device, dp, o.ep, o.cp, cp, o.tp, o.micro_batches,
       o.overlap ? "dual-pipe overlap" : "sequential schedule");
 }
 
 void build(Rank& r) {
   const TrainOptions& o = r.options;
-  r.mesh = DeviceMesh(r.world, {o.dp, o.ep, o.cp, o.tp}, {"dp", "ep", "cp", "tp"}, {}, r.device);
-  r.dp_rank = r.mesh.get_local_rank("dp");
+  if (o.dp_shard > 1) {
+    r.mesh = DeviceMesh(r.world, {o.dp / o.dp_shard, o.dp_shard, o.ep, o.cp, o.tp},
+                        {"dp_replicate", "dp_shard", "ep", "cp", "tp"}, {}, r.device);
+    // Row-major: the same data rank as the 4-D mesh's "dp" coordinate.
+    r.dp_rank =
+        r.mesh.get_local_rank("dp_replicate") * o.dp_shard + r.mesh.get_local_rank("dp_shard");
+    r.data_dims = {"dp_replicate", "dp_shard", "ep", "cp"};
+    r.ddp_dims = {"dp_replicate", "ep", "cp"};
+  } else {
+    r.mesh = DeviceMesh(r.world, {o.dp, o.ep, o.cp, o.tp}, {"dp", "ep", "cp", "tp"}, {}, r.device);
+    r.dp_rank = r.mesh.get_local_rank("dp");
+    r.data_dims = {"dp", "ep", "cp"};
+    r.ddp_dims = r.data_dims;
+  }
   r.ep_rank = r.mesh.get_local_rank("ep");
   r.cp_rank = r.mesh.get_local_rank("cp");
 
@@ -130,14 +152,23 @@ void build(Rank& r) {
     r.schedule->abort_on_failure(r.mesh);
   }
 
+  // After the styles above: FSDP shards what they left on each rank, one
+  // group per decoder layer and the rest (embeddings, norm, head) as the root's.
+  if (o.dp_shard > 1) {
+    r.fsdp = std::make_unique<FullyShardedDataParallel>(
+        module, r.model->blocks(), r.mesh,
+        FSDPOptions{.shard_dim = "dp_shard", .replicate_dim = "", .op = RedOp::Sum});
+  }
   r.params = module->named_parameters();
   for (const auto& [name, p] : r.params)
     r.tensors.push_back(p);
   // Note [Training layout]: summed over the data ranks each parameter is
   // replicated over (experts: not over ep), bucket by bucket as the last
-  // micro-batch's backward produces them.
+  // micro-batch's backward produces them. With FSDP the shards' gradients
+  // appear at fsdp->finish(), which reduced them over dp_shard, and DDP sums
+  // them over the other data dims at its finish().
   r.ddp = std::make_unique<DistributedDataParallel>(
-      r.params, r.mesh, std::vector<std::string>{"dp", "ep", "cp"},
+      r.params, r.mesh, r.ddp_dims,
       DDPOptions{.bucket_bytes = static_cast<int64_t>(o.grad_bucket_mb * (1 << 20))});
   r.optimizer = std::make_unique<optim::AdamW>(
       r.params,
@@ -253,9 +284,17 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
   }
   maybe_fault(r, fault, step, "step-end");
 
+  if (r.fsdp) r.fsdp->finish();
   r.ddp->finish();  // then clipped by the global norm
   const double norm = clip_grad_norm(r.tensors, r.mesh, o.clip);
   r.optimizer->step();
+  int64_t state_bytes = 0;
+  for (const Tensor& p : r.tensors) {
+    state_bytes += static_cast<int64_t>(p.nbytes());
+    if (grad(p).defined()) state_bytes += static_cast<int64_t>(grad(p).nbytes());
+  }
+  for (const auto& [key, t] : r.optimizer->state_dict())
+    state_bytes += static_cast<int64_t>(t.nbytes());
   r.optimizer->zero_grad();
 
   MicroStats total;
@@ -265,7 +304,7 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
     total.scored += s.scored;
   }
   const std::vector<double> m =
-      sum_over(r.mesh, {"dp", "ep", "cp"}, {total.ce_sum, total.correct, total.scored});
+      sum_over(r.mesh, r.data_dims, {total.ce_sum, total.correct, total.scored});
   StepStats s;
   s.step = step;
   s.loss = m[0] / std::max(m[2], 1.0);
@@ -282,6 +321,7 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
   s.peak_bytes = mem.peak_allocated_bytes;
   s.reserved_bytes = mem.reserved_bytes;
   s.resident_bytes = resident_set_bytes();
+  s.state_bytes = state_bytes;
   return s;
 }
 
@@ -311,7 +351,9 @@ void save(Rank& r, int64_t next_step) {
   const TrainOptions& o = r.options;
   std::map<std::string, std::string> meta = {
       {"next_step", std::to_string(next_step)},
-      {"layout", Json({{"dp", o.dp}, {"ep", o.ep}, {"cp", o.cp}, {"tp", o.tp}}).dump()},
+      {"layout",
+       Json({{"dp", o.dp}, {"dp_shard", o.dp_shard}, {"ep", o.ep}, {"cp", o.cp}, {"tp", o.tp}})
+           .dump()},
       {"model", r.model->identity().dump()},
       {"seed", std::to_string(o.seed)}};
   save_checkpoint(o.save_dir, next_step, pieces, meta, r.world, o.keep);
@@ -515,6 +557,18 @@ void validate(const TrainOptions& o, int world_size) {
                world_size, o.dp, o.ep, o.cp, o.tp, product,
                o.backend == "threads" ? " (set --ranks, or leave it out to use the product)"
                                       : " (the number of processes mpirun started)");
+  TANDEM_CHECK(o.dp_shard >= 1 && o.dp % o.dp_shard == 0,
+               "[train] expected --dp-shard to divide --dp (the data ranks it groups), got "
+               "--dp-shard {} with --dp {}",
+               o.dp_shard, o.dp);
+  TANDEM_CHECK(o.dp_shard == 1 || o.tp == 1,
+               "[train] --dp-shard {} with --tp {}: FSDP over tensor-parallel shards is not "
+               "supported yet (colwise weights are already split along dim 0)",
+               o.dp_shard, o.tp);
+  TANDEM_CHECK(o.dp_shard == 1 || !o.overlap,
+               "[train] --dp-shard {} with the dual-pipe overlap: FSDP's hooks run on one thread "
+               "at a time; pass --no-overlap",
+               o.dp_shard);
   TANDEM_CHECK(o.cp_mode == "ulysses" || o.cp_mode == "allgather" || o.cp_mode == "hybrid" ||
                    o.cp_mode == "ring",
                "[train] expected --cp-mode ulysses|allgather|hybrid|ring, got '{}'", o.cp_mode);

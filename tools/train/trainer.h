@@ -11,7 +11,10 @@
 //   ep  the experts of every MoE layer (install_dual_pipe: expert parallelism
 //       with the dual-pipe sync hooks); the ep ranks see different sequences,
 //       so for every other parameter ep is one more data-parallel dim.
-//   dp  plain data parallelism.
+//   dp  data parallelism: DDP, or with --dp-shard S the mesh's dp dim is two,
+//       ("dp_replicate", "dp_shard") of dp / S and S, the parameters are
+//       sharded over dp_shard (FSDP, one group per block) and replicated
+//       over dp_replicate (HSDP). The data rank is the same either way.
 // The data ranks — the replicas that draw different sequences — are dp × ep;
 // every cp and tp rank of one data rank holds the same sequences.
 //
@@ -51,6 +54,10 @@ struct TrainOptions {
   std::string device = "cpu";
   // parallel layout (Note [Training layout])
   int dp = 1, ep = 2, cp = 2, tp = 1;
+  // Of the dp data ranks, groups of dp_shard hold each parameter once
+  // (FSDP, parallel/fsdp.h); dp / dp_shard such groups replicate it (HSDP
+  // when both exceed 1). 1: every dp rank holds every parameter (DDP).
+  int dp_shard = 1;
   std::string cp_mode = "ulysses";  // ulysses | allgather | hybrid | ring
   int ulysses_degree = 0;           // hybrid: the Ulysses degree (1 < d < cp, divides cp)
   bool load_balance = false;        // allgather / ring: balanced causal work
@@ -141,6 +148,9 @@ struct StepStats {
   int64_t peak_bytes = 0;      // allocator peak during the step (process-wide)
   int64_t reserved_bytes = 0;  // allocator cache after the step (process-wide)
   int64_t resident_bytes = 0;  // the process's resident set after the step
+  // Parameters, their gradients and the optimizer state rank 0 holds at
+  // the end of the step (counted from its tensors): what FSDP divides.
+  int64_t state_bytes = 0;
   // Allocated bytes once every rank has finished the step (settle_memory
   // only; 0 otherwise): what outlives a step, e.g. parameters, gradients and
   // optimizer state, independent of how the ranks' threads interleaved.
