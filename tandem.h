@@ -58,6 +58,7 @@
 #include "tandem/parallel/data_parallel.h"
 #include "tandem/parallel/ddp.h"
 #include "tandem/parallel/fsdp.h"
+#include "tandem/parallel/zero.h"
 #include "tandem/parallel/device_mesh.h"
 #include "tandem/parallel/dtensor.h"
 #include "tandem/parallel/dtensor_ops.h"

@@ -16,6 +16,7 @@
 #include "tandem/parallel/dual_pipe.h"
 #include "tandem/parallel/fsdp.h"
 #include "tandem/parallel/placement.h"
+#include "tandem/parallel/zero.h"
 #include "tests/comm/mpi/mpi_test_util.h"
 
 using namespace tandem;
@@ -256,4 +257,36 @@ TEST_CASE("FSDP and HSDP train like the one-rank model (MPI)", "[mpi][fsdp]") {
       CHECK(ops::allclose(params[i].second, rows(whole_params[i].second), 1e-5, 1e-6));
     }
   }
+}
+
+TEST_CASE("ZeRO-1 steps bit-identically to AdamW (MPI)", "[mpi][zero]") {
+  ProcessGroupPtr pg = world();
+  DeviceMesh mesh(pg, {4}, {"dp"});
+  auto make = [] {
+    Generator gen(12);
+    optim::NamedParams p = {{"w", ops::randn({7, 3}, gen)}, {"b", ops::randn({3}, gen)}};
+    for (auto& [name, t] : p)
+      set_requires_grad(t);
+    return p;
+  };
+  const optim::NamedParams sharded = make(), plain = make();
+  ZeroRedundancyOptimizer zero(sharded, mesh, "dp", {.lr = 1e-2});
+  optim::AdamW reference(plain, {.lr = 1e-2});
+  for (int s = 0; s < 3; ++s) {
+    for (const optim::NamedParams* params : {&sharded, &plain}) {
+      Generator gen(50 + 7 * static_cast<uint64_t>(pg->rank()) + static_cast<uint64_t>(s));
+      std::vector<Tensor> tensors;
+      for (const auto& [name, p] : *params) {
+        set_grad(p, ops::randn(p.shape(), gen));
+        tensors.push_back(p);
+      }
+      reduce_gradients(tensors, mesh, {"dp"});
+    }
+    zero.step();
+    zero.zero_grad();
+    reference.step();
+    reference.zero_grad();
+  }
+  for (size_t i = 0; i < plain.size(); ++i)
+    CHECK(ops::equal(sharded[i].second, plain[i].second));
 }
