@@ -125,7 +125,9 @@ void DistributedDataParallel::launch(Bucket& b) {
   for (size_t i : b.members) {
     const Tensor& p = params_[i].second;
     Tensor g = grad(p);
-    flat.push_back(ops::reshape(g.defined() ? g : ops::zeros_like(p), Shape{-1}));
+    Tensor piece = ops::reshape(g.defined() ? g : ops::zeros_like(p), Shape{-1});
+    if (options_.reduce_dtype) piece = ops::to(piece, *options_.reduce_dtype);
+    flat.push_back(piece);
   }
   b.work = b.group->all_reduce(ops::cat(flat, 0), {options_.op, "ddp bucket"});
   b.work->progress_in_background();
@@ -144,7 +146,8 @@ void DistributedDataParallel::finish() {
       for (size_t i : b.members) {
         const Tensor& p = params_[i].second;
         const int64_t n = p.numel();
-        set_grad(p, ops::contiguous(ops::reshape(ops::narrow(reduced, 0, offset, n), p.shape())));
+        Tensor g = ops::reshape(ops::narrow(reduced, 0, offset, n), p.shape());
+        set_grad(p, ops::contiguous(g.dtype() == p.dtype() ? g : ops::to(g, p.dtype())));
         offset += n;
       }
     } else {

@@ -39,6 +39,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -53,6 +54,9 @@ namespace tandem {
 struct DDPOptions {
   int64_t bucket_bytes = int64_t{25} << 20;  // PyTorch's default bucket_cap_mb
   RedOp op = RedOp::Sum;                     // Sum or Avg
+  // The dtype the buckets are reduced in (mixed precision: f32 sums of bf16
+  // gradients, each rounded back once); nullopt: the gradients' own.
+  std::optional<DType> reduce_dtype = std::nullopt;
 };
 
 class DistributedDataParallel {

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 
+#include "tandem/autograd/mixed_precision.h"
 #include "tandem/autograd/nn/linear.h"
 #include "tandem/autograd/ops.h"
 #include "tandem/autograd/optim.h"
@@ -257,4 +258,32 @@ TEST_CASE("optimizer state_dict round trip resumes bit-identically", "[optim]") 
     state["1.step"] = ops::scalar_tensor(0, DType::I64);
     CHECK_THROWS_WITH(a.load_state_dict(state), Catch::Contains("got '1.step'"));
   }
+}
+
+TEST_CASE("master weights: f32 copies of bf16 parameters, updated and rounded back",
+          "[optim][bf16]") {
+  Generator gen(21);
+  Tensor p = ops::to(ops::randn({5, 3}, gen), DType::BF16);
+  set_requires_grad(p);
+  Tensor f = ops::randn({4}, gen);  // an f32 parameter gets a copy of its own
+  set_requires_grad(f);
+  MasterWeights master({{"p", p}, {"f", f}});
+  REQUIRE(master.params().size() == 2);
+  const Tensor& mp = master.params()[0].second;
+  CHECK(mp.dtype() == DType::F32);
+  CHECK(ops::equal(ops::to(mp, DType::BF16), p));  // widening is exact
+  CHECK_FALSE(master.params()[1].second.is_alias_of(f));
+  set_grad(p, ops::to(ops::full({5, 3}, 0.5), DType::BF16));
+  master.grads_to_master();
+  CHECK_FALSE(grad(p).defined());
+  CHECK(ops::equal(grad(mp), ops::full({5, 3}, 0.5)));
+  CHECK_FALSE(grad(master.params()[1].second).defined());  // f had no gradient
+  // An update below bf16's resolution stays in the master, not in the model.
+  {
+    NoGradGuard no_grad;
+    ops::copy_(mp, ops::add(mp, 1e-4));
+  }
+  master.master_to_model();
+  CHECK(ops::equal(p, ops::to(mp, DType::BF16)));
+  CHECK_FALSE(ops::equal(ops::to(p, DType::F32), mp));
 }

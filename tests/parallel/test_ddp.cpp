@@ -193,3 +193,26 @@ TEST_CASE("DDP reduces accumulated micro-batches once, unused parameters as zero
   });
   rc.report();
 }
+
+TEST_CASE("DDP sums bf16 gradients in f32 when asked, rounding once", "[ddp][bf16]") {
+  constexpr int kN = 64;
+  tandem::testing::RankChecks rc;
+  run_ranks(kRanks, [&](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {kRanks}, {"dp"}, {}, test::test_device());
+    Tensor p = test::on_test_device(ops::zeros({kN}, DType::BF16));
+    set_requires_grad(p);
+    DistributedDataParallel ddp({{"p", p}}, mesh, {"dp"}, {.reduce_dtype = DType::F32});
+    // Each rank's gradient: 1 + r/256, exact in bf16; their sum in f32,
+    // rounded once, differs from a bf16 running sum.
+    std::vector<Tensor> mine;
+    for (int r = 0; r < kRanks; ++r)
+      mine.push_back(ops::full({kN}, 1.0 + r / 256.0, DType::F32));
+    backward(sum(mul(p, test::on_test_device(ops::to(mine[pg->rank()], DType::BF16)))));
+    ddp.finish();
+    Tensor want =
+        ops::to(ops::add(ops::add(mine[0], mine[1]), ops::add(mine[2], mine[3])), DType::BF16);
+    RANK_CHECK(rc, grad(p).dtype() == DType::BF16);
+    RANK_CHECK(rc, ops::equal(test::on_cpu(grad(p)), want));
+  });
+  rc.report();
+}

@@ -38,6 +38,11 @@ Command parse_command_line(const std::vector<std::string>& args) {
                  "DDP; alone it sets --dp)")
       ->check(CLI::Range(1, 1024))
       ->group(layout);
+  app.add_option("--precision", o.precision,
+                 "f32, or bf16: compute in bf16 with f32 master weights, optimizer state and "
+                 "gradient sums")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->group(layout);
   app.add_option("--dp-replicate", dp_replicate,
                  "HSDP: this many replicas of the --dp-shard groups (--dp = replicate x shard)")
       ->check(CLI::Range(1, 1024))

@@ -12,7 +12,9 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <utility>
 
+#include "tandem/autograd/mixed_precision.h"
 #include "tandem/autograd/node.h"
 #include "tandem/autograd/ops.h"
 #include "tandem/autograd/optim.h"
@@ -64,6 +66,7 @@ struct Rank {
   std::unique_ptr<optim::AdamW> optimizer;
   std::unique_ptr<DistributedDataParallel> ddp;    // gradient reduction (Note [DDP buckets])
   std::unique_ptr<FullyShardedDataParallel> fsdp;  // --dp-shard > 1 (Note [FSDP])
+  std::unique_ptr<MasterWeights> master;           // --precision bf16 (Note [Master weights])
   // The mesh dims of the data ranks and of what DDP sums over (Note
   // [Training layout]): with FSDP, dp is ("dp_replicate", "dp_shard") and
   // FSDP reduces over dp_shard itself.
@@ -100,9 +103,10 @@ std::string layout_string(const TrainOptions& o, int world) {
                                                             o.dp / o.dp_shard, o.dp_shard);
   return fmt::format(
       "{} ranks, {} backend, {}: {} x ep {} x cp {}{} x tp {}; {} micro-batches, "
-      "{}",
+      "{}{}",
       world, o.backend, o.device, dp, o.ep, o.cp, cp, o.tp, o.micro_batches,
-      o.overlap ? "dual-pipe overlap" : "sequential schedule");
+      o.overlap ? "dual-pipe overlap" : "sequential schedule",
+      o.precision == "bf16" ? ", bf16 with f32 master weights" : "");
 }
 
 void build(Rank& r) {
@@ -152,6 +156,9 @@ void build(Rank& r) {
     r.schedule->abort_on_failure(r.mesh);
   }
 
+  // The styles keep their placement records through the cast.
+  const bool bf16 = o.precision == "bf16";
+  if (bf16) module->to(DType::BF16);
   // After the styles above: FSDP shards what they left on each rank, one
   // group per decoder layer and the rest (embeddings, norm, head) as the root's.
   if (o.dp_shard > 1) {
@@ -169,9 +176,11 @@ void build(Rank& r) {
   // them over the other data dims at its finish().
   r.ddp = std::make_unique<DistributedDataParallel>(
       r.params, r.mesh, r.ddp_dims,
-      DDPOptions{.bucket_bytes = static_cast<int64_t>(o.grad_bucket_mb * (1 << 20))});
+      DDPOptions{.bucket_bytes = static_cast<int64_t>(o.grad_bucket_mb * (1 << 20)),
+                 .reduce_dtype = bf16 ? std::optional<DType>(DType::F32) : std::nullopt});
+  if (bf16) r.master = std::make_unique<MasterWeights>(r.params);
   r.optimizer = std::make_unique<optim::AdamW>(
-      r.params,
+      r.master ? r.master->params() : r.params,
       optim::AdamWOptions{
           .lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = o.weight_decay});
 }
@@ -240,6 +249,7 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
     const auto [logits, aux_loss] = r.model->forward(tokens, positions);
     const int64_t V = logits.shape()[2];
     Tensor flat_logits = reshape(logits, Shape{-1, V});
+    if (flat_logits.dtype() != DType::F32) flat_logits = to(flat_logits, DType::F32);
     Tensor flat_targets = ops::reshape(targets, Shape{-1});
     MicroStats& s = stats[static_cast<size_t>(i)];
     Tensor scored_mask = ops::ne(flat_targets, static_cast<double>(kIgnore));
@@ -286,12 +296,18 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
 
   if (r.fsdp) r.fsdp->finish();
   r.ddp->finish();  // then clipped by the global norm
-  const double norm = clip_grad_norm(r.tensors, r.mesh, o.clip);
+  if (r.master) r.master->grads_to_master();
+  const std::vector<Tensor> updated = r.master ? r.master->tensors() : r.tensors;
+  const double norm = clip_grad_norm(updated, r.mesh, o.clip);
   r.optimizer->step();
+  if (r.master) r.master->master_to_model();
   int64_t state_bytes = 0;
-  for (const Tensor& p : r.tensors) {
-    state_bytes += static_cast<int64_t>(p.nbytes());
-    if (grad(p).defined()) state_bytes += static_cast<int64_t>(grad(p).nbytes());
+  for (const std::vector<Tensor>* held : {&std::as_const(r.tensors), &updated}) {
+    for (const Tensor& p : *held) {
+      state_bytes += static_cast<int64_t>(p.nbytes());
+      if (grad(p).defined()) state_bytes += static_cast<int64_t>(grad(p).nbytes());
+    }
+    if (!r.master) break;  // the same tensors
   }
   for (const auto& [key, t] : r.optimizer->state_dict())
     state_bytes += static_cast<int64_t>(t.nbytes());
@@ -332,9 +348,11 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
 // rank whose coordinates are 0 on every dim that holds a copy of it.
 std::vector<TensorPiece> state_pieces(Rank& r, std::map<std::string, Tensor>& optimizer_state) {
   std::vector<TensorPiece> pieces;
-  for (const auto& [name, p] : r.params)
+  // With master weights the checkpoint holds them (f32), not their rounding.
+  const optim::NamedParams& params = r.master ? r.master->params() : r.params;
+  for (const auto& [name, p] : params)
     pieces.push_back(placed_piece("model." + name, p, p, r.mesh));
-  for (const auto& [name, p] : r.params) {
+  for (const auto& [name, p] : params) {
     for (const char* buffer : {"exp_avg", "exp_avg_sq", "step"}) {
       const std::string key = name + "." + buffer;
       auto it = optimizer_state.find(key);
@@ -379,6 +397,7 @@ int64_t resume(Rank& r) {
   // Model pieces alias the parameters (filled in place); the optimizer's
   // pieces are copies from state_dict(): hand them back.
   r.optimizer->load_state_dict(state);
+  if (r.master) r.master->master_to_model();
   return std::stoll(info.meta.at("next_step"));
 }
 

@@ -15,6 +15,8 @@
 //       ("dp_replicate", "dp_shard") of dp / S and S, the parameters are
 //       sharded over dp_shard (FSDP, one group per block) and replicated
 //       over dp_replicate (HSDP). The data rank is the same either way.
+// --precision bf16 casts the model after the styles (their records stay) and
+// gives AdamW f32 master weights (Note [Master weights]); DDP sums in f32.
 // The data ranks — the replicas that draw different sequences — are dp × ep;
 // every cp and tp rank of one data rank holds the same sequences.
 //
@@ -58,6 +60,10 @@ struct TrainOptions {
   // (FSDP, parallel/fsdp.h); dp / dp_shard such groups replicate it (HSDP
   // when both exceed 1). 1: every dp rank holds every parameter (DDP).
   int dp_shard = 1;
+  // f32, or bf16: the model computes in bf16, AdamW updates f32 master
+  // weights (Note [Master weights]), DDP sums gradients in f32, the loss is
+  // computed in f32.
+  std::string precision = "f32";
   std::string cp_mode = "ulysses";  // ulysses | allgather | hybrid | ring
   int ulysses_degree = 0;           // hybrid: the Ulysses degree (1 < d < cp, divides cp)
   bool load_balance = false;        // allgather / ring: balanced causal work
