@@ -301,6 +301,9 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
   const double norm = clip_grad_norm(updated, r.mesh, o.clip);
   r.optimizer->step();
   if (r.master) r.master->master_to_model();
+  // What this rank holds: the model's parameters (and their gradients), the
+  // masters', and AdamW's two moment buffers per updated parameter (f32, f64
+  // for f64 parameters: optim.h), counted without copying the state.
   int64_t state_bytes = 0;
   for (const std::vector<Tensor>* held : {&std::as_const(r.tensors), &updated}) {
     for (const Tensor& p : *held) {
@@ -309,8 +312,8 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
     }
     if (!r.master) break;  // the same tensors
   }
-  for (const auto& [key, t] : r.optimizer->state_dict())
-    state_bytes += static_cast<int64_t>(t.nbytes());
+  for (const Tensor& p : updated)
+    state_bytes += 2 * p.numel() * (p.dtype() == DType::F64 ? 8 : 4);
   r.optimizer->zero_grad();
 
   MicroStats total;
