@@ -306,26 +306,28 @@ TEST_CASE("FSDP releases the gathered parameters after the forward", "[fsdp]") {
 }
 
 TEST_CASE("FSDP refuses misuse by name", "[fsdp]") {
+  tandem::testing::RankChecks rc;
   run_ranks(2, [&](ProcessGroupPtr pg) {
     DeviceMesh mesh(pg, {2}, {"dp"}, {}, test::test_device());
     auto model = make_model();
     auto stranger = make_model();
-    CHECK_THROWS_WITH(FullyShardedDataParallel(model, stranger->blocks(), mesh),
-                      Contains("inside the root"));
-    CHECK_THROWS_WITH(
-        FullyShardedDataParallel(model, {model->blocks()[0], model->blocks()[0]}, mesh),
-        Contains("'l0' twice"));
-    CHECK_THROWS_WITH(FullyShardedDataParallel(model, model->blocks(), mesh, {.shard_dim = "tp"}),
-                      Contains("dp"));
+    RANK_CHECK_THROWS_WITH(rc, FullyShardedDataParallel(model, stranger->blocks(), mesh),
+                           "inside the root");
+    RANK_CHECK_THROWS_WITH(
+        rc, FullyShardedDataParallel(model, {model->blocks()[0], model->blocks()[0]}, mesh),
+        "'l0' twice");
+    RANK_CHECK_THROWS_WITH(
+        rc, FullyShardedDataParallel(model, model->blocks(), mesh, {.shard_dim = "tp"}), "dp");
     FullyShardedDataParallel fsdp(model, model->blocks(), mesh);
     const Tensor x = batch_of(pg->rank(), 2);
     Tensor first = loss_of(*model, x);
-    CHECK_THROWS_WITH(loss_of(*model, x), Contains("before its next forward"));
+    RANK_CHECK_THROWS_WITH(rc, loss_of(*model, x), "before its next forward");
     // Evaluating under NoGradGuard between steps is fine.
     backward(first);
     fsdp.finish();
     NoGradGuard no_grad;
-    CHECK(loss_of(*model, x).defined());
-    CHECK(loss_of(*model, x).defined());
+    RANK_CHECK(rc, loss_of(*model, x).defined());
+    RANK_CHECK(rc, loss_of(*model, x).defined());
   });
+  rc.report();
 }
