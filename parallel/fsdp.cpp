@@ -176,8 +176,9 @@ void FullyShardedDataParallel::build_group(const std::string& name,
       skipped.push_back(path + ".");
       continue;
     }
+    const std::string& where = path;  // a structured binding: clang 14 cannot capture it
     if (std::any_of(skipped.begin(), skipped.end(),
-                    [&](const std::string& s) { return path.rfind(s, 0) == 0; }))
+                    [&](const std::string& s) { return where.rfind(s, 0) == 0; }))
       continue;
     for (auto& [local, t] : m->named_parameters()) {
       if (local.find('.') != std::string::npos) continue;  // a child's
