@@ -278,9 +278,11 @@ TEST_CASE("FSDP releases the gathered parameters after the forward", "[fsdp]") {
       FullyShardedDataParallel fsdp(model, model->blocks(), mesh,
                                     {.reshard_after_forward = reshard});
       const Tensor x = batch_of(pg->rank(), kRanks);
+      // Every rank's queued work done, then a host barrier (synchronize():
+      // wait() only orders the stream, Note [Stream ordering]).
       auto settle = [&] {
         current_stream(device).synchronize();
-        pg->barrier()->wait();
+        pg->barrier()->synchronize();
       };
       settle();
       const int64_t before = memory_stats(device).allocated_bytes;
