@@ -2,6 +2,8 @@
 // tandem-bench.
 #include "tools/bench/bench.h"
 
+#include "tandem/runtime/device.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -98,6 +100,20 @@ std::string format_speed(const Row& row, double seconds) {
 }
 
 constexpr const char* kTableFormat = "{:<12} {:<20} {:<7} {:>4}  {:>15} {:>15}  {:>6} {:>7}  {}\n";
+
+}  // namespace
+
+std::string no_cuda_device_error(const std::string& component) {
+  return built_with_cuda()
+             ? fmt::format(
+                   "[bench::{}] expected a CUDA device, got none (without a GPU, "
+                   "TANDEM_CUDA=emulated gives an emulated one)",
+                   component)
+             : fmt::format("[bench::{}] expected a CUDA device, got a tandem built without CUDA",
+                           component);
+}
+
+namespace {
 
 nlohmann::ordered_json row_json(const Row& row) {
   nlohmann::ordered_json j = {

@@ -92,6 +92,10 @@ class Lockstep {
   std::barrier<> barrier_;
 };
 
+// The error of a GPU row where no CUDA device exists: "[bench::<component>]
+// expected a CUDA device, got …", saying how to get an emulated one.
+std::string no_cuda_device_error(const std::string& component);
+
 // Compares `got` (tandem) with `want` (baseline) elementwise:
 // |got - want| <= atol + rtol * |want|. Returns an empty string when they
 // agree, else a message naming the worst element.

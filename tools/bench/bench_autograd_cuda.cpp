@@ -316,10 +316,7 @@ int run_autograd_cuda(const Options& options) {
              "overhead rows: CPU-only, not run with --device cuda");
   Row row = cuda_block_row(device);
   if (!cuda_available()) {
-    row.error = built_with_cuda()
-                    ? "[bench::autograd] expected a CUDA device, got none (without a GPU, "
-                      "TANDEM_CUDA=emulated gives an emulated one)"
-                    : "[bench::autograd] expected a CUDA device, got a tandem built without CUDA";
+    row.error = no_cuda_device_error("autograd");
     report.add(std::move(row));
     return report.finish();
   }

@@ -260,10 +260,7 @@ int run_cp_cuda(const Options& options) {
                          kBatch, size.str(), kRanks, device_name));
   if (!cuda_available()) {
     Row row = gpu_row("every mode", device_name, "single-rank layer, step");
-    row.error = built_with_cuda()
-                    ? "[bench::cp] expected a CUDA device, got none (without a GPU, "
-                      "TANDEM_CUDA=emulated gives an emulated one)"
-                    : "[bench::cp] expected a CUDA device, got a tandem built without CUDA";
+    row.error = no_cuda_device_error("cp");
     report.add(std::move(row));
     return report.finish();
   }

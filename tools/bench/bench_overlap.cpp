@@ -122,6 +122,30 @@ Setup make_setup(const Options& options) {
   return s;
 }
 
+void report_setup(Report& report, const Setup& setup, const std::string& backend,
+                  const std::string& where) {
+  const nn::TransformerLMConfig& mc = setup.model;
+  report.set("setup",
+             {{"ranks", setup.ranks},
+              {"backend", backend},
+              {"micro_batches", setup.micro_batches},
+              {"batch", setup.batch},
+              {"seq", setup.seq},
+              {"vocab", mc.vocab},
+              {"d_model", mc.d_model},
+              {"layers", mc.layers},
+              {"heads", mc.heads},
+              {"hidden", mc.hidden},
+              {"experts", mc.experts},
+              {"top_k", mc.top_k},
+              {"dtype", "f32"}},
+             fmt::format("model: TransformerLM, {} MoE layers, d_model={} heads={} hidden={} "
+                         "experts={} top_k={} vocab={}; B={} S={} per micro-batch, {} "
+                         "micro-batches per step; ep={} rank threads{}",
+                         mc.layers, mc.d_model, mc.heads, mc.hidden, mc.experts, mc.top_k, mc.vocab,
+                         setup.batch, setup.seq, setup.micro_batches, setup.ranks, where));
+}
+
 namespace {
 
 std::shared_ptr<nn::TransformerLM> make_model(const Setup& setup, Device device) {
@@ -401,25 +425,7 @@ int run_overlap(const Options& options) {
   if (options.quick) {
     report.note("--quick is a smoke run: a small model and few trials, so the figures are noisy");
   }
-  report.set("setup",
-             {{"ranks", setup.ranks},
-              {"backend", "threads, wrapped by simulate_link"},
-              {"micro_batches", setup.micro_batches},
-              {"batch", setup.batch},
-              {"seq", setup.seq},
-              {"vocab", mc.vocab},
-              {"d_model", mc.d_model},
-              {"layers", mc.layers},
-              {"heads", mc.heads},
-              {"hidden", mc.hidden},
-              {"experts", mc.experts},
-              {"top_k", mc.top_k},
-              {"dtype", "f32"}},
-             fmt::format("model: TransformerLM, {} MoE layers, d_model={} heads={} hidden={} "
-                         "experts={} top_k={} vocab={}; B={} S={} per micro-batch, {} "
-                         "micro-batches per step; ep={} rank threads",
-                         mc.layers, mc.d_model, mc.heads, mc.hidden, mc.experts, mc.top_k, mc.vocab,
-                         setup.batch, setup.seq, setup.micro_batches, setup.ranks));
+  overlap::report_setup(report, setup, "threads, wrapped by simulate_link", "");
 
   Measured m = measure(setup, options.trace);
   const Traffic& tr = m.traffic;

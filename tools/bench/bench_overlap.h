@@ -52,6 +52,11 @@ struct StepMarks {
   double total() const { return seconds(end - start); }
 };
 
+// The "setup" field of a run's report: the model and step, `backend` the
+// ranks' transport, `where` appended to the text ("" or " on cuda:0").
+void report_setup(Report& report, const Setup& setup, const std::string& backend,
+                  const std::string& where);
+
 // One rank's copy of the model on `device`, expert-parallel over `world`
 // (behind a simulated link when `link` is given; not owned, read at
 // construction), with its dual-pipe schedule. Every copy has the same weights.

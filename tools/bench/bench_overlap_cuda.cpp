@@ -101,7 +101,6 @@ GpuMeasured measure_gpu(const Setup& setup, Device device) {
 int run_overlap_cuda(const Options& options) {
   Report report("overlap", options, timing_config(options));
   const Setup setup = gpu_setup(options);
-  const nn::TransformerLMConfig& mc = setup.model;
   const std::string device_name = cuda_available() ? Device::cuda(0).str() : "cuda";
   report.set("timing",
              {{"statistic", "median over trials of sequential / overlapped"},
@@ -113,25 +112,7 @@ int run_overlap_cuda(const Options& options) {
   report.set("device", device_name,
              fmt::format("device: {}{}", device_name,
                          cuda_emulated() ? " (emulated: times say nothing about a GPU)" : ""));
-  report.set("setup",
-             {{"ranks", setup.ranks},
-              {"backend", "threads, rank threads sharing the device"},
-              {"micro_batches", setup.micro_batches},
-              {"batch", setup.batch},
-              {"seq", setup.seq},
-              {"vocab", mc.vocab},
-              {"d_model", mc.d_model},
-              {"layers", mc.layers},
-              {"heads", mc.heads},
-              {"hidden", mc.hidden},
-              {"experts", mc.experts},
-              {"top_k", mc.top_k},
-              {"dtype", "f32"}},
-             fmt::format("model: TransformerLM, {} MoE layers, d_model={} heads={} hidden={} "
-                         "experts={} top_k={} vocab={}; B={} S={} per micro-batch, {} "
-                         "micro-batches per step; ep={} rank threads on {}",
-                         mc.layers, mc.d_model, mc.heads, mc.hidden, mc.experts, mc.top_k, mc.vocab,
-                         setup.batch, setup.seq, setup.micro_batches, setup.ranks, device_name));
+  report_setup(report, setup, "threads, rank threads sharing the device", " on " + device_name);
 
   Row row;
   row.group = "overlap";
@@ -142,10 +123,7 @@ int run_overlap_cuda(const Options& options) {
   row.target = 1.0;
   if (!report.wants(row)) return report.finish();
   if (!cuda_available()) {
-    row.error = built_with_cuda()
-                    ? "[bench::overlap] expected a CUDA device, got none (without a GPU, "
-                      "TANDEM_CUDA=emulated gives an emulated one)"
-                    : "[bench::overlap] expected a CUDA device, got a tandem built without CUDA";
+    row.error = no_cuda_device_error("overlap");
     report.add(std::move(row));
     return report.finish();
   }
