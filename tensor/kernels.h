@@ -151,6 +151,13 @@ struct AttentionArgs {
     (const TensorArg& a, const TensorArg& b, const TensorArg& g, const TensorArg& da,              \
      const TensorArg& db),                                                                         \
     (a, b, g, da, db))                                                                             \
+  /* the rotary embedding (Note [Fused rotary embedding] in tensor/cpu/elementwise.cpp): x, out    \
+   * contiguous rows of D (the last dim; D even), row r at position (r / inner) % seq_len of the   \
+   * (seq_len, D) contiguous cos and sin tables; one floating dtype; inverse turns back */         \
+  X(rotary,                                                                                        \
+    (const TensorArg& x, const TensorArg& cos, const TensorArg& sin, int64_t seq_len,              \
+     int64_t inner, bool inverse, const TensorArg& out),                                           \
+    (x, cos, sin, seq_len, inner, inverse, out))                                                   \
   /* q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), out (B, Hq, Sq, D): f32 or f64, any strides with   \
    * unit stride along D; lse f32 (B, Hq, Sq) contiguous; Sq, Sk, D > 0 */                         \
   X(attention,                                                                                     \

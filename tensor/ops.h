@@ -199,6 +199,12 @@ Tensor dropout(const Tensor& x, double p, Generator& gen);
 Tensor swiglu(const Tensor& a, const Tensor& b);
 // The gradients (da, db) of swiglu(a, b) for the output gradient g.
 std::pair<Tensor, Tensor> swiglu_backward(const Tensor& a, const Tensor& b, const Tensor& g);
+// The rotary embedding of x, (B, S, H, D) with seq_dim 1 or (B, H, S, D)
+// with seq_dim 2, by the (S, D) cos and sin tables of its positions, in one
+// pass (Note [Fused rotary embedding] in tensor/cpu/elementwise.cpp); inverse
+// turns back (the gradient). nn::apply_rotary is the differentiable front.
+Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t seq_dim = 1,
+              bool inverse = false);
 // Comparisons return bool tensors.
 Tensor eq(const Tensor& a, const Tensor& b);
 Tensor ne(const Tensor& a, const Tensor& b);

@@ -685,6 +685,39 @@ std::pair<Tensor, Tensor> swiglu_backward(const Tensor& a, const Tensor& b, cons
   return {da, db};
 }
 
+// ---- rotary embedding ----
+
+Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t seq_dim,
+              bool inverse) {
+  check_defined(x, "rotary", "x");
+  TANDEM_CHECK(x.dim() == 4 && (seq_dim == 1 || seq_dim == 2),
+               "[tensor::rotary] expected x of 4 dims, (B, S, H, D) with seq_dim 1 or (B, H, S, "
+               "D) with seq_dim 2, got {} with seq_dim {}",
+               x.shape(), seq_dim);
+  TANDEM_CHECK(is_floating(x.dtype()), "[tensor::rotary] expected a floating x, got {}",
+               dtype_name(x.dtype()));
+  const int64_t s = x.shape()[static_cast<int>(seq_dim)], d = x.shape()[3];
+  TANDEM_CHECK(d % 2 == 0, "[tensor::rotary] expected an even head dim, got {}", d);
+  for (const auto& [t, name] : {std::pair{&cos, "cos"}, std::pair{&sin, "sin"}}) {
+    check_defined(*t, "rotary", name);
+    TANDEM_CHECK(t->shape() == Shape({s, d}),
+                 "[tensor::rotary] expected {} of shape ({}, {}) for x of shape {}, got {}", name,
+                 s, d, x.shape(), t->shape());
+    TANDEM_CHECK(t->dtype() == x.dtype(), "[tensor::rotary] expected {} of x's dtype {}, got {}",
+                 name, dtype_name(x.dtype()), dtype_name(t->dtype()));
+    check_same_device(x, *t, "rotary", "x", name);
+  }
+  const Tensor xc = contiguous(x), cc = contiguous(cos), sc = contiguous(sin);
+  Tensor out = empty(x.shape(), x.dtype(), x.device());
+  if (out.numel() == 0) return out;
+  const int64_t inner = seq_dim == 1 ? x.shape()[2] : 1;
+  const TensorArg xa = arg_of(xc), ca = arg_of(cc), sa = arg_of(sc), oa = arg_of(out);
+  detail::dispatch(
+      x.device(), [=] { cpu::rotary(xa, ca, sa, s, inner, inverse, oa); },
+      [=](void* st) { cuda::rotary(xa, ca, sa, s, inner, inverse, oa, st); }, xc, cc, sc, out);
+  return out;
+}
+
 }  // namespace tandem::ops
 
 namespace tandem {

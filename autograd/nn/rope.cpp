@@ -4,6 +4,8 @@
 #include <mutex>
 #include <numbers>
 
+#include "tandem/autograd/functions/node_name.h"
+#include "tandem/autograd/node.h"
 #include "tandem/autograd/ops.h"
 #include "tandem/runtime/error.h"
 #include "tandem/tensor/dtype.h"
@@ -66,6 +68,18 @@ std::pair<Tensor, Tensor> rope_tables(const RotaryOptions& options,
   return {table(cos), table(sin)};
 }
 
+namespace {
+struct RotaryBackward final : Node {
+  TANDEM_NODE_NAME(RotaryBackward)
+  Tensor cos, sin;
+  int64_t seq_dim = 1;
+  std::vector<Tensor> apply(std::vector<Tensor>& g) override {
+    return {ops::rotary(g[0], cos, sin, seq_dim, /*inverse=*/true)};
+  }
+  void release_saved() override { cos = sin = Tensor(); }
+};
+}  // namespace
+
 Tensor apply_rotary(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t seq_dim) {
   TANDEM_CHECK(x.defined() && x.dim() == 4 && (seq_dim == 1 || seq_dim == 2),
                "[nn::apply_rotary] expected x of 4 dims, (B, S, H, D) with seq_dim 1 or (B, H, S, "
@@ -85,12 +99,18 @@ Tensor apply_rotary(const Tensor& x, const Tensor& cos, const Tensor& sin, int64
           sin.device() == x.device(),
       "[nn::apply_rotary] expected tables of x's dtype and device ({} on {}), got {} on {}",
       dtype_name(x.dtype()), x.device(), dtype_name(cos.dtype()), cos.device());
-  // (S, D) broadcast over batch and heads.
-  const Shape bcast = seq_dim == 1 ? Shape{1, s, 1, d} : Shape{1, 1, s, d};
-  const Tensor c = ops::reshape(cos, bcast), sn = ops::reshape(sin, bcast);
-  const Tensor x1 = narrow(x, 3, 0, d / 2), x2 = narrow(x, 3, d / 2, d / 2);
-  const Tensor rotated = cat({mul(x2, -1.0), x1}, 3);
-  return add(mul(x, c), mul(rotated, sn));
+  TANDEM_CHECK(!requires_grad(cos) && !requires_grad(sin),
+               "[nn::apply_rotary] expected cos and sin tables that do not require grad (the "
+               "rotation is differentiable in x only)");
+  // One kernel each way (Note [Fused rotary embedding]); backward keeps the
+  // tables only.
+  Tensor out = ops::rotary(x, cos, sin, seq_dim);
+  if (auto node = record<RotaryBackward>({&x}, {&out})) {
+    node->cos = cos;
+    node->sin = sin;
+    node->seq_dim = seq_dim;
+  }
+  return out;
 }
 
 // The tables a scope's forwards computed, for each (options, dtype, device):

@@ -1,10 +1,10 @@
 // CPU elementwise kernels: unary, binary (broadcast by stride 0), scalar,
-// where, and the fused SwiGLU gate. 16-bit types compute in float and round on
-// store (dtype.h acc_t). The op is chosen outside the loop (one instantiation
-// per op) so the inner loop is a plain strided loop the compiler vectorises.
-// Contiguous operands of at least kElementGrain elements are split over the
-// kernel threads (Note [CPU kernel threads]); the per-op overhead of small
-// tensors is one comparison.
+// where, the fused SwiGLU gate and the fused rotary embedding. 16-bit types compute in float and
+// round on store (dtype.h acc_t). The op is chosen outside the loop (one instantiation per op) so
+// the inner loop is a plain strided loop the compiler vectorises. Contiguous operands of at least
+// kElementGrain elements are split over the kernel threads (Note [CPU kernel threads]); the per-op
+// overhead of small tensors is one comparison.
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -364,6 +364,73 @@ void swiglu_backward(const TensorArg& a, const TensorArg& b, const TensorArg& g,
         pdb[i] = static_cast<T>(gv * x * s);
       }
     });
+  });
+}
+
+// Note [Fused rotary embedding]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The rotary embedding turns each pair (x[i], x[i + D/2]) of a row by its
+// position's angles: with h = D/2 and the row's table entries c, s,
+//   out[i]     = x[i] c[i]         - x[i + h] s[i]
+//   out[i + h] = x[i + h] c[i + h] + x[i] s[i + h],
+// and the inverse (the gradient: the rotation's transpose) swaps the signs
+// and the halves of s:
+//   out[i]     = x[i] c[i]         + x[i + h] s[i + h]
+//   out[i + h] = x[i + h] c[i + h] - x[i] s[i].
+// As composite ops (two narrows, a negation, a cat, two products and a sum
+// forward; as many again backward, with a scatter into zeros per narrow and
+// their sums) it was about a dozen passes over q and k per step; here it is
+// one each way, and backward saves only the tables. The compiler may fuse a
+// product and the sum into one FMA, so the bits may differ from the
+// composite's in the last place; 16-bit types compute in float and round
+// once.
+void rotary(const TensorArg& x, const TensorArg& cos, const TensorArg& sin, int64_t seq_len,
+            int64_t inner, bool inverse, const TensorArg& out) {
+  const int64_t d = x.shape[x.ndim - 1], h = d / 2;
+  const int64_t rows = d == 0 ? 0 : x.numel / d;
+  dispatch_floating(x.dtype, "rotary", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = acc_t<T>;
+    const T* px = static_cast<const T*>(x.data);
+    const T* pc = static_cast<const T*>(cos.data);
+    const T* ps = static_cast<const T*>(sin.data);
+    T* po = static_cast<T*>(out.data);
+    // The half of s that each half's s term reads.
+    const int64_t s_lo = inverse ? h : 0, s_hi = inverse ? 0 : h;
+    parallel_for(rows, std::max<int64_t>(1, kElementGrain / std::max<int64_t>(d, 1)),
+                 [&](int64_t r0, int64_t r1) {
+                   for (int64_t r = r0; r < r1; ++r) {
+                     const T* xr = px + r * d;
+                     const int64_t pos = (r / inner) % seq_len;
+                     const T* c = pc + pos * d;
+                     const T* sn = ps + pos * d;
+                     T* o = po + r * d;
+                     int64_t i = 0;
+                     if constexpr (std::is_same_v<T, float>) {
+                       constexpr int64_t W = simd::kWidth<float>;
+                       if (h % W == 0) {
+                         for (; i < h; i += W) {
+                           const simd::VecF lo = simd::load(xr + i), hi = simd::load(xr + h + i);
+                           const simd::VecF a = lo * simd::load(c + i);
+                           const simd::VecF b = hi * simd::load(sn + s_lo + i);
+                           const simd::VecF e = hi * simd::load(c + h + i);
+                           const simd::VecF f = lo * simd::load(sn + s_hi + i);
+                           simd::store(o + i, inverse ? a + b : a - b);
+                           simd::store(o + h + i, inverse ? e - f : e + f);
+                         }
+                       }
+                     }
+                     for (; i < h; ++i) {
+                       const A lo = static_cast<A>(xr[i]), hi = static_cast<A>(xr[h + i]);
+                       const A a = lo * static_cast<A>(c[i]);
+                       const A b = hi * static_cast<A>(sn[s_lo + i]);
+                       const A e = hi * static_cast<A>(c[h + i]);
+                       const A f = lo * static_cast<A>(sn[s_hi + i]);
+                       o[i] = static_cast<T>(inverse ? a + b : a - b);
+                       o[h + i] = static_cast<T>(inverse ? e - f : e + f);
+                     }
+                   }
+                 });
   });
 }
 

@@ -64,8 +64,11 @@ constexpr int64_t kNR = kNV * kW;
 static_assert(kMR * kNV + kNV + 1 <= simd::kVectorRegisters, "the tile must fit the registers");
 constexpr int64_t kKC = 256;
 constexpr int64_t kNC = simd::kVectorRegisters >= 32 ? 512 : 256;
-// Rows of A packed at a time (kMC x kKC floats: 2 MiB at most).
-constexpr int64_t kMC = 1024 / kMR * kMR;
+// Rows of A packed at a time (kMC x kKC floats: 2 MiB at most). B is packed
+// again for every block of rows, so a product is cut into blocks of equal
+// size: 1032 rows are two blocks of 516, not 1020 and a tile of 12 that
+// repacks all of B for itself.
+constexpr int64_t kMC = 2048 / kMR * kMR;
 
 // Keeps GCC from re-reading `v` as a memory operand of every FMA that uses it.
 #define TANDEM_IN_REGISTER(v) __asm__("" : "+v"(v))
@@ -297,7 +300,8 @@ void own_sgemm(const float* a, const float* b, float* c, int64_t m, int64_t n, i
   thread_local std::vector<float> a_buf;
   float* bp = b_buf.data();
   const int64_t tiles = (m + kMR - 1) / kMR;
-  const int64_t mc_tiles = std::min(tiles, kMC / kMR);
+  const int64_t blocks = (tiles + kMC / kMR - 1) / (kMC / kMR);
+  const int64_t mc_tiles = (tiles + blocks - 1) / blocks;
   if (a_buf.size() < static_cast<size_t>(mc_tiles * kMR * kKC)) {
     a_buf.resize(static_cast<size_t>(mc_tiles * kMR * kKC));
   }

@@ -286,6 +286,27 @@ __global__ void swiglu_backward_kernel(const T* a, const T* b, const T* g, T* da
   }
 }
 
+// Note [Fused rotary embedding] (tensor/cpu/elementwise.cpp): one thread per
+// pair (x[i], x[i + D/2]) of a row.
+template <class T>
+__global__ void rotary_kernel(const T* x, const T* cos, const T* sin, T* out, int64_t pairs,
+                              int64_t d, int64_t seq_len, int64_t inner, bool inverse) {
+  using V = acc_t<T>;
+  const int64_t h = d / 2;
+  for (int64_t j = detail::grid_start(); j < pairs; j += detail::grid_step()) {
+    const int64_t r = j / h, i = j % h;
+    const int64_t pos = (r / inner) % seq_len;
+    const T* c = cos + pos * d;
+    const T* sn = sin + pos * d;
+    const V lo = load_as<V>(x[r * d + i]), hi = load_as<V>(x[r * d + h + i]);
+    const V a = lo * load_as<V>(c[i]), e = hi * load_as<V>(c[h + i]);
+    const V b = hi * load_as<V>(sn[inverse ? h + i : i]);
+    const V f = lo * load_as<V>(sn[inverse ? i : h + i]);
+    out[r * d + i] = cast_to<T>(inverse ? a + b : a - b);
+    out[r * d + h + i] = cast_to<T>(inverse ? e - f : e + f);
+  }
+}
+
 }  // namespace
 
 void swiglu(const TensorArg& a, const TensorArg& b, const TensorArg& out, void* stream) {
@@ -309,6 +330,20 @@ void swiglu_backward(const TensorArg& a, const TensorArg& b, const TensorArg& g,
                    stream, static_cast<const T*>(a.data), static_cast<const T*>(b.data),
                    static_cast<const T*>(g.data), static_cast<T*>(da.data),
                    static_cast<T*>(db.data), a.numel);
+  });
+}
+
+void rotary(const TensorArg& x, const TensorArg& cos, const TensorArg& sin, int64_t seq_len,
+            int64_t inner, bool inverse, const TensorArg& out, void* stream) {
+  if (out.numel == 0) return;
+  detail::StreamDeviceGuard guard(stream);
+  const int64_t d = x.shape[x.ndim - 1], pairs = x.numel / 2;
+  dispatch_floating(x.dtype, "rotary", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    detail::launch(rotary_kernel<T>, detail::blocks_for(pairs), detail::kThreads, 0, stream,
+                   static_cast<const T*>(x.data), static_cast<const T*>(cos.data),
+                   static_cast<const T*>(sin.data), static_cast<T*>(out.data), pairs, d, seq_len,
+                   inner, inverse);
   });
 }
 

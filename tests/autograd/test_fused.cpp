@@ -1,5 +1,5 @@
-// The fused kernels behind autograd's attention, layer_norm/rms_norm backward
-// and swiglu, against the composite of differentiable primitive ops they
+// The fused kernels behind autograd's attention, layer_norm/rms_norm backward,
+// swiglu and the rotary embedding, against the composite of differentiable primitive ops they
 // replace (forward and gradients, f64 and f32, shapes that cross the kernels'
 // blocks, tiles and SIMD tails), by finite differences (gradcheck, f64), at 2
 // kernel threads against 1 (Note [CPU kernel threads]: same bits), and the
@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/autograd/nn/rope.h"
 #include "tandem/autograd/ops.h"
 #include "tandem/runtime/device.h"
 #include "tests/support/autograd_util.h"
@@ -224,6 +225,79 @@ TEST_CASE("fused swiglu matches silu(a) * b forward and gradients", "[fused]") {
   }
 }
 
+// The rotary embedding as the composite ops it replaces (Note [Fused rotary
+// embedding]): x c + rotate_half(x) s.
+Tensor composite_rotary(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t seq_dim) {
+  const int64_t s = x.shape()[static_cast<int>(seq_dim)], d = x.shape()[3];
+  const Shape bcast = seq_dim == 1 ? Shape{1, s, 1, d} : Shape{1, 1, s, d};
+  const Tensor x1 = narrow(x, 3, 0, d / 2), x2 = narrow(x, 3, d / 2, d / 2);
+  return add(mul(x, reshape(cos, bcast)), mul(cat({mul(x2, -1.0), x1}, 3), reshape(sin, bcast)));
+}
+
+TEST_CASE("fused rotary embedding matches the composite forward and gradient", "[fused]") {
+  // D = 6 (scalar pairs only), 32 (whole vectors), 40 (vectors and a tail on
+  // AVX2, scalar on AVX-512); tables whose halves differ, so a kernel that
+  // read the wrong half of sin would fail.
+  for (int64_t d : {6, 32, 40}) {
+    for (int64_t seq_dim : {1, 2}) {
+      DYNAMIC_SECTION("D=" << d << " seq_dim " << seq_dim) {
+        const int64_t B = 2, S = 5, H = 3;
+        const Shape shape = seq_dim == 1 ? Shape{B, S, H, d} : Shape{B, H, S, d};
+        const Tensor x = random_tensor(shape, F64, 81, -2, 2);
+        const Tensor up = random_tensor(shape, F64, 82);
+        const Tensor cos = random_tensor(Shape{S, d}, F64, 83, -1, 1);
+        const Tensor sin = random_tensor(Shape{S, d}, F64, 84, -1, 1);
+        for (DType dt : {F64, F32}) {
+          INFO(dtype_name(dt));
+          const Tensor c = ops::to(cos, dt), sn = ops::to(sin, dt), xd = ops::to(x, dt);
+          auto fused = [&](const std::vector<Tensor>& t) {
+            return nn::apply_rotary(t[0], c, sn, seq_dim);
+          };
+          auto composite = [&](const std::vector<Tensor>& t) {
+            return composite_rotary(t[0], c, sn, seq_dim);
+          };
+          const Tensor got = fused({xd});
+          const std::vector<Tensor> got_grad = gradients(fused, {xd}, ops::to(up, dt));
+          const std::vector<Tensor> want_grad = gradients(composite, {xd}, ops::to(up, dt));
+          const double tol = dt == F64 ? 1e-14 : 1e-6;
+          require_close(got, composite({xd}), tol, tol, "out");
+          require_close(got_grad[0], want_grad[0], tol, tol, "dx");
+          const Tensor two = with_threads(2, [&] { return fused({xd}); });
+          CHECK(all_equal({two}, {got}));
+        }
+        check_gradients("apply_rotary",
+                        [&](const std::vector<Tensor>& t) {
+                          return std::vector<Tensor>{nn::apply_rotary(t[0], cos, sin, seq_dim)};
+                        },
+                        {x});
+      }
+    }
+  }
+  SECTION("bf16 computes in float and rounds once") {
+    const Tensor x = random_tensor(Shape{1, 4, 2, 8}, F64, 85, -2, 2);
+    auto [cos, sin] =
+        nn::rope_tables({.head_dim = 8}, nn::position_range(0, 4), F64, Device::cpu());
+    auto bf16 = [](const Tensor& t) { return ops::to(t, DType::BF16); };
+    const Tensor out = ops::rotary(bf16(x), bf16(cos), bf16(sin));
+    REQUIRE(out.dtype() == DType::BF16);
+    auto f64 = [](const Tensor& t) { return ops::to(t, F64); };
+    require_close(out, ops::rotary(f64(bf16(x)), f64(bf16(cos)), f64(bf16(sin))), 2e-2, 1e-2,
+                  "bf16 out");
+  }
+  SECTION("errors") {
+    const Tensor t = ops::zeros({3, 4});
+    REQUIRE_THROWS_WITH(ops::rotary(ops::zeros({1, 3, 2, 4}), t, ops::zeros({3, 5})),
+                        Catch::Matchers::Contains("[tensor::rotary]") &&
+                            Catch::Matchers::Contains("sin of shape (3, 4)"));
+    REQUIRE_THROWS_WITH(ops::rotary(ops::zeros({1, 3, 2, 4}), t, t, 3),
+                        Catch::Matchers::Contains("seq_dim 3"));
+    Tensor learned = ops::zeros({3, 4});
+    set_requires_grad(learned, true);
+    REQUIRE_THROWS_WITH(nn::apply_rotary(ops::zeros({1, 3, 2, 4}), learned, t),
+                        Catch::Matchers::Contains("do not require grad"));
+  }
+}
+
 TEST_CASE("fused norm backward matches the composite gradients", "[fused]") {
   // 70 rows (two full 32-row blocks and a partial one); d = 37 (SIMD tail) and 256.
   for (int64_t d : {37, 256}) {
@@ -340,7 +414,7 @@ TEST_CASE("fused kernels on CUDA match the CPU", "[fused][cuda]") {
           require_close(on_cpu(got[i]), want[i], 10 * tol, 10 * tol, "grad " + std::to_string(i));
       }
     }
-    DYNAMIC_SECTION("norm backward and swiglu " << dtype_name(dt)) {
+    DYNAMIC_SECTION("norm backward, swiglu and rotary " << dtype_name(dt)) {
       const Tensor x = random_tensor(Shape{70, 37}, dt, 71, -2, 2);
       const Tensor w = random_tensor(Shape{37}, dt, 72, 0.5, 1.5);
       const Tensor dy = random_tensor(Shape{70, 37}, dt, 73);
@@ -364,6 +438,13 @@ TEST_CASE("fused kernels on CUDA match the CPU", "[fused][cuda]") {
       auto [wa, wb] = ops::swiglu_backward(a, a, a);
       require_close(on_cpu(da), wa, tol, tol, "swiglu da");
       require_close(on_cpu(db), wb, tol, tol, "swiglu db");
+      const Tensor xr = random_tensor(Shape{2, 5, 3, 6}, dt, 75, -2, 2);
+      const Tensor cr = random_tensor(Shape{5, 6}, dt, 76, -1, 1);
+      const Tensor sr = random_tensor(Shape{5, 6}, dt, 77, -1, 1);
+      for (bool inverse : {false, true}) {
+        require_close(on_cpu(ops::rotary(on_gpu(xr), on_gpu(cr), on_gpu(sr), 1, inverse)),
+                      ops::rotary(xr, cr, sr, 1, inverse), tol, tol, "rotary");
+      }
     }
   }
 }
