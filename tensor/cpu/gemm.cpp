@@ -66,8 +66,8 @@ constexpr int64_t kKC = 256;
 constexpr int64_t kNC = simd::kVectorRegisters >= 32 ? 512 : 256;
 // Rows of A packed at a time (kMC x kKC floats: 2 MiB at most). B is packed
 // again for every block of rows, so a product is cut into blocks of equal
-// size: 1032 rows are two blocks of 516, not 1020 and a tile of 12 that
-// repacks all of B for itself.
+// size (in tiles): with 12-row tiles, 2052 rows are blocks of 1032 and 1020,
+// not 2040 and a tile of 12 that repacks all of B for itself.
 constexpr int64_t kMC = 2048 / kMR * kMR;
 
 // Keeps GCC from re-reading `v` as a memory operand of every FMA that uses it.
