@@ -384,53 +384,49 @@ void swiglu_backward(const TensorArg& a, const TensorArg& b, const TensorArg& g,
 // product and the sum into one FMA, so the bits may differ from the
 // composite's in the last place; 16-bit types compute in float and round
 // once.
+// One row of D = 2h: s_lo and s_hi are the halves of s that the low and high
+// halves' s terms read (0 and h forward, h and 0 inverse).
+template <class T>
+void rotate_row(const T* x, const T* c, const T* s, int64_t h, int64_t s_lo, int64_t s_hi,
+                bool inverse, T* out) {
+  using A = acc_t<T>;
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    constexpr int64_t W = simd::kWidth<float>;
+    for (; h % W == 0 && i < h; i += W) {
+      const simd::VecF lo = simd::load(x + i), hi = simd::load(x + h + i);
+      const simd::VecF a = lo * simd::load(c + i), b = hi * simd::load(s + s_lo + i);
+      const simd::VecF e = hi * simd::load(c + h + i), f = lo * simd::load(s + s_hi + i);
+      simd::store(out + i, inverse ? a + b : a - b);
+      simd::store(out + h + i, inverse ? e - f : e + f);
+    }
+  }
+  for (; i < h; ++i) {
+    const A lo = static_cast<A>(x[i]), hi = static_cast<A>(x[h + i]);
+    const A a = lo * static_cast<A>(c[i]), b = hi * static_cast<A>(s[s_lo + i]);
+    const A e = hi * static_cast<A>(c[h + i]), f = lo * static_cast<A>(s[s_hi + i]);
+    out[i] = static_cast<T>(inverse ? a + b : a - b);
+    out[h + i] = static_cast<T>(inverse ? e - f : e + f);
+  }
+}
+
 void rotary(const TensorArg& x, const TensorArg& cos, const TensorArg& sin, int64_t seq_len,
             int64_t inner, bool inverse, const TensorArg& out) {
-  const int64_t d = x.shape[x.ndim - 1], h = d / 2;
-  const int64_t rows = d == 0 ? 0 : x.numel / d;
+  if (x.numel == 0) return;
+  const int64_t d = x.shape[x.ndim - 1], h = d / 2, rows = x.numel / d;
+  const int64_t s_lo = inverse ? h : 0, s_hi = inverse ? 0 : h;
   dispatch_floating(x.dtype, "rotary", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    using A = acc_t<T>;
     const T* px = static_cast<const T*>(x.data);
     const T* pc = static_cast<const T*>(cos.data);
     const T* ps = static_cast<const T*>(sin.data);
     T* po = static_cast<T*>(out.data);
-    // The half of s that each half's s term reads.
-    const int64_t s_lo = inverse ? h : 0, s_hi = inverse ? 0 : h;
-    parallel_for(rows, std::max<int64_t>(1, kElementGrain / std::max<int64_t>(d, 1)),
-                 [&](int64_t r0, int64_t r1) {
-                   for (int64_t r = r0; r < r1; ++r) {
-                     const T* xr = px + r * d;
-                     const int64_t pos = (r / inner) % seq_len;
-                     const T* c = pc + pos * d;
-                     const T* sn = ps + pos * d;
-                     T* o = po + r * d;
-                     int64_t i = 0;
-                     if constexpr (std::is_same_v<T, float>) {
-                       constexpr int64_t W = simd::kWidth<float>;
-                       if (h % W == 0) {
-                         for (; i < h; i += W) {
-                           const simd::VecF lo = simd::load(xr + i), hi = simd::load(xr + h + i);
-                           const simd::VecF a = lo * simd::load(c + i);
-                           const simd::VecF b = hi * simd::load(sn + s_lo + i);
-                           const simd::VecF e = hi * simd::load(c + h + i);
-                           const simd::VecF f = lo * simd::load(sn + s_hi + i);
-                           simd::store(o + i, inverse ? a + b : a - b);
-                           simd::store(o + h + i, inverse ? e - f : e + f);
-                         }
-                       }
-                     }
-                     for (; i < h; ++i) {
-                       const A lo = static_cast<A>(xr[i]), hi = static_cast<A>(xr[h + i]);
-                       const A a = lo * static_cast<A>(c[i]);
-                       const A b = hi * static_cast<A>(sn[s_lo + i]);
-                       const A e = hi * static_cast<A>(c[h + i]);
-                       const A f = lo * static_cast<A>(sn[s_hi + i]);
-                       o[i] = static_cast<T>(inverse ? a + b : a - b);
-                       o[h + i] = static_cast<T>(inverse ? e - f : e + f);
-                     }
-                   }
-                 });
+    parallel_for(rows, std::max<int64_t>(1, kElementGrain / d), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t pos = (r / inner) % seq_len;
+        rotate_row(px + r * d, pc + pos * d, ps + pos * d, h, s_lo, s_hi, inverse, po + r * d);
+      }
+    });
   });
 }
 
