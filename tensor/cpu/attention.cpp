@@ -28,6 +28,12 @@
 //   once per head into zero-padded, SIMD-aligned panels; OpenBLAS is not
 //   called, since its per-call set-up and threading decisions cost more than
 //   these products at D = 64.
+// - The operands are (B, S, H, D) buffers seen as (B, H, S, D): a head's row is
+//   D floats, H * D apart, so a block's rows of Q (and in backward of O and
+//   dO) are each a separate cache miss. The next block's rows are prefetched
+//   while the current one computes, and backward's delta = rowsum(dO * O) is
+//   one pass over a block's rows rather than one row between each tile's
+//   products.
 //
 // Rows that see no key (a causal shard entirely before its keys) get lse =
 // -inf, a zero output and zero gradients, as in the composite reference.
@@ -163,17 +169,45 @@ void exp_row(T* row, int64_t n, int64_t n_pad, T scale, T shift) {
 template <class T>
 T row_max(const T* row, int64_t n, T sign) {
   constexpr int64_t W = kWidth<T>;
-  T m = -std::numeric_limits<T>::infinity();
   int64_t j = 0;
+  Vec<T> acc;
   if (n >= W) {
-    Vec<T> acc = simd::load(row) * sign;
+    acc = simd::load(row) * sign;
     for (j = W; j + W <= n; j += W)
       acc = simd::max(acc, simd::load(row + j) * sign);
-    m = simd::reduce_max(acc);
+  } else {
+    acc = simd::splat(-std::numeric_limits<T>::infinity());
   }
-  for (; j < n; ++j)
-    m = sign * row[j] > m ? sign * row[j] : m;
-  return m;
+  if (j < n) {  // lanes past n: -inf once signed
+    const T fill = -std::numeric_limits<T>::infinity() * sign;
+    acc = simd::max(acc, simd::load_partial(row + j, n - j, fill) * sign);
+  }
+  return simd::reduce_max(acc);
+}
+
+// row[j] *= c for j < n.
+template <class T>
+void scale_row(T* row, int64_t n, T c) {
+  constexpr int64_t W = kWidth<T>;
+  int64_t j = 0;
+  for (; j + W <= n; j += W)
+    simd::store(row + j, simd::load(row + j) * c);
+  if (j < n) simd::store_partial(row + j, simd::load_partial(row + j, n - j, T(0)) * c, n - j);
+}
+
+// ds[j] = p[j] * (ds[j] - delta) * scale for j < n: softmax's backward, from
+// dP in ds.
+template <class T>
+void softmax_grad_row(const T* p, T* ds, int64_t n, T delta, T scale) {
+  constexpr int64_t W = kWidth<T>;
+  auto at = [&](Vec<T> pv, Vec<T> dv) { return pv * (dv - delta) * scale; };
+  int64_t j = 0;
+  for (; j + W <= n; j += W)
+    simd::store(ds + j, at(simd::load(p + j), simd::load(ds + j)));
+  if (j < n) {
+    const Vec<T> pv = simd::load_partial(p + j, n - j, T(0));
+    simd::store_partial(ds + j, at(pv, simd::load_partial(ds + j, n - j, T(0))), n - j);
+  }
 }
 
 template <class T>
@@ -273,6 +307,14 @@ void pack_rows(const S* src, int64_t rs, int64_t rows, const Geometry& g, T* dst
   }
 }
 
+// Asks for the n elements at p to be brought into the cache.
+template <class T>
+void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
+    __builtin_prefetch(c + off, 0, 3);
+}
+
 // Per-thread scratch, grown on demand and kept (a few MiB at most for the
 // sequence lengths attention runs at on a CPU).
 template <class T>
@@ -313,6 +355,12 @@ void attention_forward(const AttentionArgs& args, const TensorArg& q, const Tens
         pack_rows(vp + b * lv.b + hkv * lv.h, lv.s, g.Sk, g, vb);
         packed_head = b * g.Hkv + hkv;
       }
+      if (t + 1 < t1) {  // the next task's query rows, read from memory (prefetch_block)
+        const int64_t nblk = (t + 1) % blocks, nbh = (t + 1) / blocks;
+        const T* nq = qp + (nbh / g.Hq) * lq.b + (nbh % g.Hq) * lq.h + nblk * kBlockQ * lq.s;
+        for (int64_t r = 0; r < std::min(kBlockQ, g.Sq - nblk * kBlockQ); ++r)
+          prefetch_row(nq + r * lq.s, g.D);
+      }
       const T* qb = qp + b * lq.b + h * lq.h + i0 * lq.s;
       T* obase = op + b * lo.b + h * lo.h + i0 * lo.s;
       float* lse_row = lse_p + (b * g.Hq + h) * g.Sq + i0;
@@ -342,8 +390,7 @@ void attention_forward(const AttentionArgs& args, const TensorArg& q, const Tens
           exp_row(row + lo, n - lo, tile_pad - lo, scale, m);
           const T sum = row_sum(row + lo, n - lo);
           const T inv = T(1) / sum;
-          for (int64_t j = lo; j < n; ++j)
-            row[j] *= inv;
+          scale_row(row + lo, n - lo, inv);
           lse_row[r0 + r] = static_cast<float>(m + std::log(sum));
         }
         if (tile_end > c0) {
@@ -363,7 +410,7 @@ void attention_forward(const AttentionArgs& args, const TensorArg& q, const Tens
 
 // Per-thread scratch of a backward task: K^T, V^T and K packed for one kv
 // head, its dK and dV accumulators, and for one block of query rows P, dS,
-// the packed Q and dO, and a tile's dQ.
+// the packed Q and dO, the rows' delta = rowsum(dO * O), and a tile's dQ.
 template <class T>
 struct BackwardScratch {
   T* kt;
@@ -375,13 +422,14 @@ struct BackwardScratch {
   T* ds;
   T* qblk;
   T* doblk;
+  T* delta;
   T* dqt;
 };
 
 template <class T>
 BackwardScratch<T> reserve_backward_scratch(const Geometry& g) {
   thread_local std::vector<T> kt_buf, vt_buf, k_buf, dk_buf, dv_buf, p_buf, ds_buf, qb_buf, dob_buf,
-      dqt_buf;
+      delta_buf, dqt_buf;
   BackwardScratch<T> s;
   s.kt = scratch(kt_buf, g.D * g.Skp);
   s.vt = scratch(vt_buf, g.D * g.Skp);
@@ -392,6 +440,7 @@ BackwardScratch<T> reserve_backward_scratch(const Geometry& g) {
   s.ds = scratch(ds_buf, kBlockQ * g.Skp);
   s.qblk = scratch(qb_buf, kBlockQ * g.Dp);
   s.doblk = scratch(dob_buf, kBlockQ * g.Dp);
+  s.delta = scratch(delta_buf, kBlockQ);
   s.dqt = scratch(dqt_buf, kTile * g.Dp);
   return s;
 }
@@ -414,7 +463,7 @@ struct QueryHead {
 // delta) * scale, both zero outside the row's visible keys in [c0, kv_pad).
 template <class T>
 void backprop_softmax_row(const Geometry& g, T scale, const QueryHead<T>& h, int64_t i, int64_t c0,
-                          int64_t kv_pad, T* prow, T* dsrow) {
+                          int64_t kv_pad, T delta, T* prow, T* dsrow) {
   const int64_t lo = g.begin(h.b, i), n = g.end(h.b, i);
   const float l = h.lse[i];
   if (n <= lo || !std::isfinite(l)) {  // no visible key: P = 0
@@ -425,14 +474,7 @@ void backprop_softmax_row(const Geometry& g, T scale, const QueryHead<T>& h, int
   std::fill(prow + c0, prow + lo, T(0));
   std::fill(dsrow + c0, dsrow + lo, T(0));
   exp_row(prow + lo, n - lo, kv_pad - lo, scale, static_cast<T>(l));
-  // delta = rowsum(dO * O) = rowsum(P * dP) for this row's output.
-  const T* orow = h.o + i * h.o_s;
-  const T* dorow = h.dout + i * h.do_s;
-  T delta = 0;
-  for (int64_t d = 0; d < g.D; ++d)
-    delta += dorow[d] * orow[d];
-  for (int64_t j = lo; j < n; ++j)
-    dsrow[j] = prow[j] * (dsrow[j] - delta) * scale;
+  softmax_grad_row(prow + lo, dsrow + lo, n - lo, delta, scale);
   std::fill(dsrow + n, dsrow + kv_pad, T(0));
 }
 
@@ -454,7 +496,8 @@ void backprop_tile(const Geometry& g, T scale, const QueryHead<T>& h, const Back
                g.Skp, false);
   }
   for (int64_t r = 0; r < tr; ++r)
-    backprop_softmax_row(g, scale, h, i0 + r0 + r, c0, kv_pad, pt + r * g.Skp, dst + r * g.Skp);
+    backprop_softmax_row(g, scale, h, i0 + r0 + r, c0, kv_pad, s.delta[r0 + r], pt + r * g.Skp,
+                         dst + r * g.Skp);
   // dQ = dS K for the tile.
   if (tile_end > c0) {
     gemm_small(tr, g.Dp, tile_end - c0, dst + c0, g.Skp, 1, s.kr + c0 * g.Dp, g.Dp, s.dqt, g.Dp,
@@ -491,6 +534,19 @@ void accumulate_dkv(const Geometry& g, const BackwardScratch<T>& s, int64_t b, i
   }
 }
 
+// Asks for the rows of Q, O and dO of the block at i0 while the current block
+// computes: they are read from memory (rows D floats long, H * D apart), and
+// each block's first reads of them otherwise waited for every cache miss.
+template <class T>
+void prefetch_block(const Geometry& g, const QueryHead<T>& h, int64_t i0) {
+  const int64_t rows = std::min(kBlockQ, g.Sq - i0);
+  for (int64_t r = i0; r < i0 + rows; ++r) {
+    prefetch_row(h.q + r * h.q_s, g.D);
+    prefetch_row(h.o + r * h.o_s, g.D);
+    prefetch_row(h.dout + r * h.do_s, g.D);
+  }
+}
+
 // The block of query rows at i0 of one query head: its dQ, and its terms of
 // the kv head's dK and dV.
 template <class T>
@@ -509,6 +565,17 @@ void backprop_block(const Geometry& g, T scale, const QueryHead<T>& h, const Bac
   const int64_t kv_pad = round_up(kv_end, kWidth<T>);
   pack_rows(h.q + i0 * h.q_s, h.q_s, rows, g, s.qblk);
   pack_rows(h.dout + i0 * h.do_s, h.do_s, rows, g, s.doblk);
+  // delta = rowsum(dO * O) (= rowsum(P * dP)) of every row, in one pass whose
+  // loads of O are independent of each other (a row at a time between the
+  // tiles' products, each load of O waited for its cache miss alone).
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* orow = h.o + (i0 + r) * h.o_s;
+    const T* dorow = s.doblk + r * g.Dp;
+    T delta = 0;
+    for (int64_t d = 0; d < g.D; ++d)
+      delta += dorow[d] * orow[d];
+    s.delta[r] = delta;
+  }
   for (int64_t r0 = 0; r0 < rows; r0 += kTile)
     backprop_tile(g, scale, h, s, i0, r0, std::min(kTile, rows - r0), kv_pad);
   accumulate_dkv(g, s, h.b, i0, rows, kv_pad);
@@ -545,19 +612,28 @@ void attention_backward(const AttentionArgs& args, const TensorArg& q, const Ten
       std::fill(s.kr + g.Sk * g.Dp, s.kr + g.Skp * g.Dp, T(0));
       std::fill(s.dka, s.dka + g.Skp * g.Dp, T(0));
       std::fill(s.dva, s.dva + g.Skp * g.Dp, T(0));
+      auto head_of = [&](int64_t h) {
+        return QueryHead<T>{.b = b,
+                            .q = qp + b * lq.b + h * lq.h,
+                            .o = op + b * lo.b + h * lo.h,
+                            .dout = dop + b * ldo.b + h * ldo.h,
+                            .dq = dqp + b * ldq.b + h * ldq.h,
+                            .lse = lse_p + (b * g.Hq + h) * g.Sq,
+                            .q_s = lq.s,
+                            .o_s = lo.s,
+                            .do_s = ldo.s,
+                            .dq_s = ldq.s};
+      };
       for (int64_t h = hkv * g.G; h < (hkv + 1) * g.G; ++h) {
-        const QueryHead<T> head{.b = b,
-                                .q = qp + b * lq.b + h * lq.h,
-                                .o = op + b * lo.b + h * lo.h,
-                                .dout = dop + b * ldo.b + h * ldo.h,
-                                .dq = dqp + b * ldq.b + h * ldq.h,
-                                .lse = lse_p + (b * g.Hq + h) * g.Sq,
-                                .q_s = lq.s,
-                                .o_s = lo.s,
-                                .do_s = ldo.s,
-                                .dq_s = ldq.s};
-        for (int64_t i0 = 0; i0 < g.Sq; i0 += kBlockQ)
+        const QueryHead<T> head = head_of(h);
+        for (int64_t i0 = 0; i0 < g.Sq; i0 += kBlockQ) {
+          if (i0 + kBlockQ < g.Sq) {
+            prefetch_block(g, head, i0 + kBlockQ);
+          } else if (h + 1 < (hkv + 1) * g.G) {
+            prefetch_block(g, head_of(h + 1), 0);
+          }
           backprop_block(g, scale, head, s, i0);
+        }
       }
       T* dkh = dkp + b * ldk.b + hkv * ldk.h;
       T* dvh = dvp + b * ldv.b + hkv * ldv.h;

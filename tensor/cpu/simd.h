@@ -25,10 +25,11 @@
 // without -ffast-math), which made exp the largest non-GEMM cost of the
 // attention softmax and of SiLU. exp_vec is the Cephes single-precision
 // polynomial: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial,
-// 2^n by exponent arithmetic. Its error is within 2 ulp of expf over the normal
-// range (tests/tensor/test_nn.cpp compares it with std::exp); results that
-// would be subnormal (x < -87.3) flush to 0, x > 88.72 gives +inf, NaN stays
-// NaN. f64 kernels keep std::exp (they serve gradchecks, not speed).
+// 2^n by exponent arithmetic (one vscalefps on AVX-512, the same bits). Its
+// error is within 2 ulp of expf over the normal range (tests/tensor/test_nn.cpp
+// compares it with std::exp); results that would be subnormal (x < -87.3)
+// flush to 0, x > 88.72 gives +inf, NaN stays NaN. f64 kernels keep std::exp
+// (they serve gradchecks, not speed).
 #pragma once
 
 #include <cmath>
@@ -38,7 +39,7 @@
 #include <type_traits>
 #include <utility>
 
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -85,9 +86,31 @@ template <class T>
 inline Vec<T> splat(T x) {
   return x - Vec<T>{};
 }
-// The first n (< width) lanes of p, the rest `fill`.
+// The first n (< width) lanes of p, the rest `fill`; lanes past n are never
+// read or written. Masked loads and stores where the target has them: the
+// lane-by-lane loop goes through the stack, and on rows of ~100 elements the
+// tail cost as much as the rest of the row.
 template <class T>
 inline Vec<T> load_partial(const T* p, int64_t n, T fill) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    const auto mask = static_cast<__mmask16>((1u << n) - 1);
+    return reinterpret_cast<Vec<T>>(
+        _mm512_mask_loadu_ps(reinterpret_cast<__m512>(splat(fill)), mask, p));
+  } else if constexpr (std::is_same_v<T, double>) {
+    const auto mask = static_cast<__mmask8>((1u << n) - 1);
+    return reinterpret_cast<Vec<T>>(
+        _mm512_mask_loadu_pd(reinterpret_cast<__m512d>(splat(fill)), mask, p));
+  }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return reinterpret_cast<Vec<T>>(_mm256_blendv_ps(reinterpret_cast<__m256>(splat(fill)),
+                                                     _mm256_maskload_ps(p, mask),
+                                                     _mm256_castsi256_ps(mask)));
+  }
+#endif
   Vec<T> v = splat(fill);
   for (int64_t i = 0; i < n; ++i)
     v[i] = p[i];
@@ -95,6 +118,21 @@ inline Vec<T> load_partial(const T* p, int64_t n, T fill) {
 }
 template <class T>
 inline void store_partial(T* p, Vec<T> v, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1),
+                                 reinterpret_cast<__m512>(v));
+  } else if constexpr (std::is_same_v<T, double>) {
+    return _mm512_mask_storeu_pd(p, static_cast<__mmask8>((1u << n) - 1),
+                                 reinterpret_cast<__m512d>(v));
+  }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_maskstore_ps(p, mask, reinterpret_cast<__m256>(v));
+  }
+#endif
   for (int64_t i = 0; i < n; ++i)
     p[i] = v[i];
 }
@@ -166,6 +204,13 @@ inline VecF exp_vec(VecF x) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
+  VecF out;
+#if defined(__AVX512F__)
+  // y * 2^n in one instruction, rounded once: the same bits as the two
+  // factors below (y * 2^(n/2) is exact).
+  out = reinterpret_cast<VecF>(
+      _mm512_scalef_ps(reinterpret_cast<__m512>(y), reinterpret_cast<__m512>(n)));
+#else
   // 2^n as 2^(n/2) * 2^(n - n/2): each factor stays normal for n in [-126, 128].
   const VecI ni = __builtin_convertvector(n, VecI);
   const VecI half = ni >> 1;
@@ -173,7 +218,8 @@ inline VecF exp_vec(VecF x) {
   VecF s1, s2;
   std::memcpy(&s1, &e1, sizeof s1);
   std::memcpy(&s2, &e2, sizeof s2);
-  VecF out = y * s1 * s2;
+  out = y * s1 * s2;
+#endif
   out = x < lo ? splat(0.0f) : out;
   out = x > hi ? splat(std::numeric_limits<float>::infinity()) : out;
   return x != x ? x : out;  // NaN
