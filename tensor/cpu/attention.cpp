@@ -346,6 +346,11 @@ void attention_forward(const AttentionArgs& args, const TensorArg& q, const Tens
     T* s = scratch(s_buf, kBlockQ * g.Skp);
     T* ob = scratch(o_buf, kTile * g.Dp);
     int64_t packed_head = -1;
+    // Task t's first query row.
+    auto query_block = [&](int64_t t) {
+      const int64_t blk = t % blocks, bh = t / blocks;
+      return qp + (bh / g.Hq) * lq.b + (bh % g.Hq) * lq.h + blk * kBlockQ * lq.s;
+    };
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t blk = t % blocks, bh = t / blocks, b = bh / g.Hq, h = bh % g.Hq;
       const int64_t hkv = h / g.G;
@@ -356,12 +361,11 @@ void attention_forward(const AttentionArgs& args, const TensorArg& q, const Tens
         packed_head = b * g.Hkv + hkv;
       }
       if (t + 1 < t1) {  // the next task's query rows, read from memory (prefetch_block)
-        const int64_t nblk = (t + 1) % blocks, nbh = (t + 1) / blocks;
-        const T* nq = qp + (nbh / g.Hq) * lq.b + (nbh % g.Hq) * lq.h + nblk * kBlockQ * lq.s;
-        for (int64_t r = 0; r < std::min(kBlockQ, g.Sq - nblk * kBlockQ); ++r)
-          prefetch_row(nq + r * lq.s, g.D);
+        const T* next = query_block(t + 1);
+        for (int64_t r = 0; r < std::min(kBlockQ, g.Sq - ((t + 1) % blocks) * kBlockQ); ++r)
+          prefetch_row(next + r * lq.s, g.D);
       }
-      const T* qb = qp + b * lq.b + h * lq.h + i0 * lq.s;
+      const T* qb = query_block(t);
       T* obase = op + b * lo.b + h * lo.h + i0 * lo.s;
       float* lse_row = lse_p + (b * g.Hq + h) * g.Sq + i0;
       for (int64_t r0 = 0; r0 < rows; r0 += kTile) {

@@ -90,22 +90,29 @@ inline Vec<T> splat(T x) {
 // read or written. Masked loads and stores where the target has them: the
 // lane-by-lane loop goes through the stack, and on rows of ~100 elements the
 // tail cost as much as the rest of the row.
+#if defined(__AVX512F__)
+inline unsigned lanes_mask(int64_t n) {  // bit i set for lanes i < n
+  return (1u << n) - 1;
+}
+#elif defined(__AVX2__)
+inline __m256i lanes_mask(int64_t n) {  // all ones in the 32-bit lanes i < n
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
 template <class T>
 inline Vec<T> load_partial(const T* p, int64_t n, T fill) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
-    const auto mask = static_cast<__mmask16>((1u << n) - 1);
-    return reinterpret_cast<Vec<T>>(
-        _mm512_mask_loadu_ps(reinterpret_cast<__m512>(splat(fill)), mask, p));
+    return reinterpret_cast<Vec<T>>(_mm512_mask_loadu_ps(reinterpret_cast<__m512>(splat(fill)),
+                                                         static_cast<__mmask16>(lanes_mask(n)), p));
   } else if constexpr (std::is_same_v<T, double>) {
-    const auto mask = static_cast<__mmask8>((1u << n) - 1);
-    return reinterpret_cast<Vec<T>>(
-        _mm512_mask_loadu_pd(reinterpret_cast<__m512d>(splat(fill)), mask, p));
+    return reinterpret_cast<Vec<T>>(_mm512_mask_loadu_pd(reinterpret_cast<__m512d>(splat(fill)),
+                                                         static_cast<__mmask8>(lanes_mask(n)), p));
   }
 #elif defined(__AVX2__)
   if constexpr (std::is_same_v<T, float>) {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
-                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i mask = lanes_mask(n);
     return reinterpret_cast<Vec<T>>(_mm256_blendv_ps(reinterpret_cast<__m256>(splat(fill)),
                                                      _mm256_maskload_ps(p, mask),
                                                      _mm256_castsi256_ps(mask)));
@@ -120,17 +127,15 @@ template <class T>
 inline void store_partial(T* p, Vec<T> v, int64_t n) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
-    return _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1),
+    return _mm512_mask_storeu_ps(p, static_cast<__mmask16>(lanes_mask(n)),
                                  reinterpret_cast<__m512>(v));
   } else if constexpr (std::is_same_v<T, double>) {
-    return _mm512_mask_storeu_pd(p, static_cast<__mmask8>((1u << n) - 1),
+    return _mm512_mask_storeu_pd(p, static_cast<__mmask8>(lanes_mask(n)),
                                  reinterpret_cast<__m512d>(v));
   }
 #elif defined(__AVX2__)
   if constexpr (std::is_same_v<T, float>) {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
-                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    return _mm256_maskstore_ps(p, mask, reinterpret_cast<__m256>(v));
+    return _mm256_maskstore_ps(p, lanes_mask(n), reinterpret_cast<__m256>(v));
   }
 #endif
   for (int64_t i = 0; i < n; ++i)
