@@ -372,14 +372,15 @@ void FullyShardedDataParallel::launch_reduce(Group& g) {
   const int64_t world = shard_group_->size();
   // By destination rank: rank r's block holds rows [r * chunk, (r + 1) *
   // chunk) of every parameter's gradient, zero-padded, in group order.
-  Tensor packed = ops::zeros({world, g.packed}, g.dtype, g.device);
+  const DType reduce_dtype = options_.reduce_dtype.value_or(g.dtype);
+  Tensor packed = ops::zeros({world, g.packed}, reduce_dtype, g.device);
   for (Group::Param& p : g.params) {
     const Tensor gfull = p.full.defined() ? grad(p.full) : Tensor();
     if (gfull.defined()) copy_to_ranks(p, gfull, packed, world);
   }
   if (g.packed == 0) {
     g.reduces.push_back(std::make_shared<Work>("fsdp reduce_scatter " + g.name));
-    g.reduces.back()->set_outputs({ops::zeros({0}, g.dtype, g.device)});
+    g.reduces.back()->set_outputs({ops::zeros({0}, reduce_dtype, g.device)});
     g.reduces.back()->finish();
   } else {
     g.reduces.push_back(
@@ -441,8 +442,10 @@ void FullyShardedDataParallel::finish() {
       reduced = all->result();
     }
     for (Group::Param& p : g->params) {
-      Tensor piece = ops::reshape(ops::narrow(reduced, 0, p.offset, p.local_rows * p.row_numel),
-                                  p.shard.shape());
+      Tensor piece =
+          ops::to(ops::reshape(ops::narrow(reduced, 0, p.offset, p.local_rows * p.row_numel),
+                               p.shard.shape()),
+                  p.shard.dtype());
       const Tensor existing = grad(p.shard);
       set_grad(p.shard, existing.defined() ? ops::add(existing, piece) : ops::clone(piece));
     }

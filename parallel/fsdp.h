@@ -50,7 +50,10 @@
 // before that group's whole leaves are replaced, so micro-batches may run
 // forward and backward in turn before one finish(). finish() ends the round,
 // waits, sums each group's rounds, all-reduces the sum over the replicate
-// dim (HSDP on a 2-D mesh) and adds each shard's part to its grad().
+// dim (HSDP on a 2-D mesh) and adds each shard's part to its grad(). With a
+// reduce_dtype (f32 under bf16 mixed precision), the packed gradients are
+// widened before the reduce-scatter and every sum is taken in it: each
+// shard's gradient is rounded into the parameter's dtype once, at the end.
 //
 // Not (yet) covered: parameters already split along dim 0 by another style
 // (tensor parallelism's colwise: refused by name), the dual-pipe schedule's
@@ -60,6 +63,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -77,6 +81,11 @@ struct FSDPOptions {
   std::string shard_dim = "", replicate_dim = "";
   bool reshard_after_forward = true;
   RedOp op = RedOp::Avg;  // of the gradients over the data ranks: Avg or Sum
+  // The dtype gradients are reduce-scattered, summed over micro-batches and
+  // all-reduced over the replicate dim in (mixed precision: f32 sums of bf16
+  // gradients, each rounded once into its shard's grad()); nullopt: the
+  // parameters' own, as DDPOptions::reduce_dtype.
+  std::optional<DType> reduce_dtype = std::nullopt;
 };
 
 class FullyShardedDataParallel {

@@ -232,6 +232,50 @@ TEST_CASE("FSDP on a 2-D mesh (HSDP) reduces over both dims", "[fsdp]") {
   rc.report();
 }
 
+// One bf16 parameter of kRows elements scaling its input: its gradient is
+// the input.
+class Scale final : public Module {
+ public:
+  static constexpr int64_t kRows = 8;
+  Scale() : Module("Scale") {
+    p_ = ops::zeros({kRows}, DType::BF16, test::test_device());
+    register_parameter("p", &p_);
+  }
+
+ protected:
+  std::vector<Tensor> forward(Args& args) override {
+    return {mul(nn::single_input(args, "Scale"), p_)};
+  }
+
+ private:
+  Tensor p_;
+};
+
+TEST_CASE("FSDP sums bf16 gradients in f32 when asked, rounding once", "[fsdp][bf16]") {
+  constexpr int kRanks = 4;
+  // Rank r's gradient: 1 + r/256, exact in bf16. Their sum in f32 (4.0234375),
+  // rounded once, is 4.03125; a bf16 running sum in rank order gives 4.
+  auto input = [](int r) { return 1.0 + r / 256.0; };
+  double total = 0;
+  for (int r = 0; r < kRanks; ++r)
+    total += input(r);
+  const Tensor want = ops::to(ops::full({Scale::kRows / kRanks}, total, DType::F32), DType::BF16);
+  tandem::testing::RankChecks rc;
+  run_ranks(kRanks, [&](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {kRanks}, {"dp"}, {}, test::test_device());
+    auto model = std::make_shared<Scale>();
+    FullyShardedDataParallel fsdp(model, {}, mesh, {.op = RedOp::Sum, .reduce_dtype = DType::F32});
+    const Tensor x =
+        test::on_test_device(ops::full({Scale::kRows}, input(pg->rank()), DType::BF16));
+    backward(sum((*model)(x)));
+    fsdp.finish();
+    const Tensor g = grad(model->named_parameters().at(0).second);
+    RANK_CHECK(rc, g.dtype() == DType::BF16);
+    RANK_CHECK(rc, ops::equal(test::on_cpu(g), want));
+  });
+  rc.report();
+}
+
 TEST_CASE("FSDP prefetches all-gathers and reduce-scatters during the backward", "[fsdp]") {
   constexpr int kRanks = 2;
   tandem::testing::RankChecks rc;

@@ -164,7 +164,10 @@ void build(Rank& r) {
   if (o.dp_shard > 1) {
     r.fsdp = std::make_unique<FullyShardedDataParallel>(
         module, r.model->blocks(), r.mesh,
-        FSDPOptions{.shard_dim = "dp_shard", .replicate_dim = "", .op = RedOp::Sum});
+        FSDPOptions{.shard_dim = "dp_shard",
+                    .replicate_dim = "",
+                    .op = RedOp::Sum,
+                    .reduce_dtype = bf16 ? std::optional<DType>(DType::F32) : std::nullopt});
   }
   r.params = module->named_parameters();
   for (const auto& [name, p] : r.params)
