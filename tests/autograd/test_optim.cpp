@@ -287,3 +287,50 @@ TEST_CASE("master weights: f32 copies of bf16 parameters, updated and rounded ba
   CHECK(ops::equal(p, ops::to(mp, DType::BF16)));
   CHECK_FALSE(ops::equal(ops::to(p, DType::F32), mp));
 }
+
+// Note [Dynamic loss scaling]: the gradients of a small f16 loss underflow
+// unscaled; scaled by a power of two they survive, and unscaling them in f32
+// is exact. An overflow halves the scale and skips; growth_interval good
+// steps double it.
+TEST_CASE("LossScaler keeps f16 gradients from underflowing and backs off on overflow",
+          "[optim][f16]") {
+  Tensor p = ops::to(ops::full({4}, 1.0), DType::F16);
+  set_requires_grad(p);
+  // d/dp of 1e-8 * sum(p) is 1e-8: below f16's smallest subnormal (6e-8).
+  auto loss = [&] { return to(mul(sum(p), 1e-8), DType::F32); };
+  backward(loss());
+  CHECK(ops::equal(grad(p), ops::zeros_like(p)));  // lost
+  zero_grad(p);
+
+  // (The scale meets f16 at the cast: 2^16 would overflow it there.)
+  LossScaler scaler({.init_scale = 32768.0, .growth_interval = 3});
+  backward(scaler.scale(loss()));
+  MasterWeights master({{"p", p}});
+  master.grads_to_master();
+  scaler.unscale(master.tensors());
+  const Tensor g = grad(master.tensors()[0]);
+  // f16(1e-8 * 32768) / 32768: the f16 rounding of the scaled value, exactly.
+  const double want = static_cast<float>(Half(static_cast<float>(1e-8 * 32768))) / 32768.0;
+  INFO("got " << g.to_vector<float>()[0] << ", want " << want);
+  CHECK(ops::equal(g, ops::full({4}, want)));
+  CHECK(want == Approx(1e-8).epsilon(1e-3));
+
+  CHECK_FALSE(scaler.update(true));  // an overflow: skip, halve
+  CHECK(scaler.scale() == 16384.0);
+  CHECK(scaler.skipped() == 1);
+  CHECK(scaler.update(false));
+  CHECK(scaler.update(false));
+  CHECK(scaler.scale() == 16384.0);
+  CHECK(scaler.update(false));  // the third good step in a row: doubled
+  CHECK(scaler.scale() == 32768.0);
+  CHECK(scaler.state().good_steps == 0);
+  scaler.update(false);
+  LossScaler resumed;
+  resumed.load_state(scaler.state());
+  CHECK(resumed.scale() == 32768.0);
+  CHECK(resumed.state().good_steps == 1);
+
+  CHECK_THROWS_WITH(LossScaler({.init_scale = 0}), Catch::Contains("init_scale"));
+  CHECK_THROWS_WITH(LossScaler({.backoff_factor = 1.0}), Catch::Contains("backoff_factor"));
+  CHECK_THROWS_WITH(resumed.load_state({-1.0, 0}), Catch::Contains("finite positive scale"));
+}

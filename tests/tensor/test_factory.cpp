@@ -1,6 +1,7 @@
 // Tensor factories, the counter-based RNG, dtype conversion and the copy ops
 // (contiguous, clone, copy_, fill_, cat, stack), checked against values the
 // test computes itself.
+#include <fmt/format.h>
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -416,6 +417,40 @@ TEST_CASE("to(dtype) converts values", "[factory]") {
         REQUIRE(got[i * 3 + j] == static_cast<double>(j * 4 + i));
     }
   }
+}
+
+// Note [F16C conversions]: the hardware conversions (F16C builds) and the
+// portable ones agree on every half and on floats of every exponent, the
+// rounding boundaries, subnormals and overflow included.
+TEST_CASE("Half converts like its portable arithmetic", "[factory][f16]") {
+  // The first disagreement (bits in, bits out, bits wanted), or none.
+  std::string first;
+  int64_t checked = 0;
+  auto round = [&](float x) {
+    if (std::isnan(x) || !first.empty()) return;
+    ++checked;
+    if (Half(x).bits != Half::round_portable(x))
+      first = fmt::format("f32 {:#x} -> {:#x}, portable {:#x}", float_bits(x), Half(x).bits,
+                          Half::round_portable(x));
+  };
+  for (uint32_t b = 0; b < 0x10000u; ++b) {
+    Half h;
+    h.bits = static_cast<uint16_t>(b);
+    const float wide = static_cast<float>(h), want = Half::widen_portable(h.bits);
+    if (std::isnan(want) != std::isnan(wide) ||
+        (!std::isnan(want) && float_bits(wide) != float_bits(want))) {
+      first =
+          fmt::format("f16 {:#x} -> {:#x}, portable {:#x}", b, float_bits(wide), float_bits(want));
+    }
+    // The halfway points on either side, and one ulp of f32 off them.
+    const uint32_t w = float_bits(want);
+    for (uint32_t f : {w, w + 0x1000u, w + 0x0fffu, w + 0x1001u, w - 0x1000u, w + 1u, w - 1u})
+      round(bits_float(f));
+  }
+  for (uint32_t f = 0; f < 0xffffffffu - 7919u; f += 7919u)  // every exponent, both signs
+    round(bits_float(f));
+  CHECK(first == "");
+  CHECK(checked > 900000);
 }
 
 TEST_CASE("contiguous copies only when needed", "[factory]") {

@@ -362,34 +362,88 @@ TEST_CASE("bad input is a clear error and overwrites nothing", "[train]") {
   CHECK_THROWS_WITH(run_training(o), Catch::Contains("different model"));
 }
 
-// Note [Master weights] through tandem-train (--precision bf16): the model
-// computes in bf16, AdamW updates f32 masters, DDP sums in f32.
-TEST_CASE("bf16 with f32 master weights follows the f32 loss curve", "[train][bf16]") {
+// Note [Master weights] through tandem-train (--precision bf16 / f16): the
+// model computes in 16 bits, AdamW updates f32 masters, DDP and FSDP sum in
+// f32; f16 also scales the loss (Note [Dynamic loss scaling]).
+TEST_CASE("bf16 and f16 with f32 master weights follow the f32 loss curve", "[train][bf16][f16]") {
   for (bool fsdp : {false, true}) {
     INFO((fsdp ? "dp 4 x FSDP 4" : "the default layout (ep 2 x cp 2, dual-pipe)"));
     TrainOptions o = fsdp ? sharded(4, 4, 1, 1) : tiny();
     o.steps = 30;
     const std::vector<double> f32 = losses(run_training(o));
-    o.precision = "bf16";
-    const TrainResult r = run_training(o);
-    const std::vector<double> bf16 = losses(r);
-    REQUIRE(bf16.size() == f32.size());
-    CHECK(bf16 != f32);  // it did compute in bf16
-    // Where the curve ends (the mean of its last 10 steps: one step's loss
-    // moves by about 1% with its batch's rounding) within 2% (issue 19), and
-    // every step's within 5%.
-    auto tail = [](const std::vector<double>& v) {
-      double sum = 0;
-      for (size_t i = v.size() - 10; i < v.size(); ++i)
-        sum += v[i];
-      return sum / 10;
-    };
-    CHECK(tail(bf16) == Approx(tail(f32)).epsilon(0.02));
-    for (size_t i = 0; i < f32.size(); ++i) {
-      INFO("step " << i << ": f32 " << f32[i] << ", bf16 " << bf16[i]);
-      CHECK(bf16[i] == Approx(f32[i]).epsilon(0.05));
+    for (const char* precision : {"bf16", "f16"}) {
+      INFO(precision);
+      o.precision = precision;
+      // A scale the gradients of this small model fit from the first step
+      // (2^16 overflows them twice: the next test).
+      o.loss_scale = 1024;
+      const TrainResult r = run_training(o);
+      const std::vector<double> low = losses(r);
+      REQUIRE(low.size() == f32.size());
+      CHECK(low != f32);  // it did compute in 16 bits
+      // Where the curve ends (the mean of its last 10 steps: one step's loss
+      // moves by about 1% with its batch's rounding) within 2% (issue 19), and
+      // every step's within 5%.
+      auto tail = [](const std::vector<double>& v) {
+        double sum = 0;
+        for (size_t i = v.size() - 10; i < v.size(); ++i)
+          sum += v[i];
+        return sum / 10;
+      };
+      CHECK(tail(low) == Approx(tail(f32)).epsilon(0.02));
+      for (size_t i = 0; i < f32.size(); ++i) {
+        INFO("step " << i << ": f32 " << f32[i] << ", " << precision << " " << low[i]);
+        CHECK(low[i] == Approx(f32[i]).epsilon(0.05));
+      }
+      for (const StepStats& s : r.steps) {
+        CHECK(s.loss_scale == (o.precision == "f16" ? 1024.0 : 0.0));
+        CHECK_FALSE(s.skipped);
+      }
+    }
+    o.precision = "f32";
+  }
+}
+
+// Too high a loss scale overflows the f16 gradients: those steps are skipped
+// (the weights keep their values: a step with inf gradients would make them
+// NaN) and the scale halves until the gradients fit; a checkpoint keeps the
+// scale, so a resumed run goes on skipping where the first would have.
+TEST_CASE("f16 skips the steps whose scaled gradients overflow, and resumes the scale",
+          "[train][f16][checkpoint]") {
+  TempDir dir("train");
+  TrainOptions o = tiny();
+  o.precision = "f16";
+  o.steps = 10;
+  o.loss_scale = 1 << 22;
+  o.save_dir = (dir.path / "ckpt").string();
+  o.save_every = 2;
+  o.keep = 10;
+  const TrainResult r = run_training(o);
+  REQUIRE(r.steps.size() == 10);
+  int skipped = 0;
+  double scale = o.loss_scale;
+  for (const StepStats& s : r.steps) {
+    INFO("step " << s.step << ": scale " << s.loss_scale << (s.skipped ? ", skipped" : ""));
+    CHECK(s.loss_scale == scale);
+    CHECK(std::isfinite(s.loss));
+    if (s.skipped) {
+      ++skipped;
+      CHECK_FALSE(std::isfinite(s.grad_norm));
+      scale /= 2;
     }
   }
+  CHECK(skipped >= 3);               // 2^22 and the scales just below it overflow
+  CHECK(!r.steps[skipped].skipped);  // then the scale fits and stays
+  CHECK(r.steps.back().loss < r.steps.front().loss);
+  TrainOptions again = o;
+  again.save_dir.clear();
+  again.save_every = 0;
+  again.resume = (dir.path / "ckpt" / "step-00000002").string();
+  const TrainResult resumed = run_training(again);
+  const std::vector<double> full = losses(r);
+  CHECK(losses(resumed) == std::vector<double>(full.begin() + 2, full.end()));
+  REQUIRE(resumed.steps.size() == 8);
+  CHECK(resumed.steps[0].loss_scale == r.steps[2].loss_scale);
 }
 
 TEST_CASE("a bf16 checkpoint holds the f32 masters and resumes bit-exactly",

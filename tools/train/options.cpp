@@ -39,9 +39,14 @@ Command parse_command_line(const std::vector<std::string>& args) {
       ->check(CLI::Range(1, 1024))
       ->group(layout);
   app.add_option("--precision", o.precision,
-                 "f32, or bf16: compute in bf16 with f32 master weights, optimizer state and "
-                 "gradient sums")
-      ->check(CLI::IsMember({"f32", "bf16"}))
+                 "f32, bf16 or f16: compute in bf16/f16 with f32 master weights, optimizer "
+                 "state and gradient sums (f16: with dynamic loss scaling)")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+      ->group(layout);
+  app.add_option("--loss-scale", o.loss_scale,
+                 "f16: the initial loss scale (halved on overflow, doubled after 2000 steps "
+                 "without one)")
+      ->check(CLI::PositiveNumber)
       ->group(layout);
   app.add_option("--dp-replicate", dp_replicate,
                  "HSDP: this many replicas of the --dp-shard groups (--dp = replicate x shard)")

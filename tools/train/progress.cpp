@@ -27,12 +27,15 @@ std::string Progress::format(const StepStats& s, int64_t total_steps) {
       s.state_bytes > 0
           ? fmt::format("  state {:.1f} MiB/rank", static_cast<double>(s.state_bytes) / (1 << 20))
           : std::string();
+  const std::string scale = s.loss_scale > 0 ? fmt::format("  loss scale {:g}{}", s.loss_scale,
+                                                           s.skipped ? " (overflow: skipped)" : "")
+                                             : std::string();
   return fmt::format(
       "step {:>{}}/{}  loss {:.4f}  acc {:5.1f}%  {:7.0f} tok/s  comm wait {:4.1f}%  peak {:.1f} "
-      "MiB{}  lr {:.2e}",
+      "MiB{}  lr {:.2e}{}",
       s.step + 1, fmt::formatted_size("{}", total_steps), total_steps, s.loss, 100.0 * s.accuracy,
       s.tokens_per_second, 100.0 * s.comm_wait, static_cast<double>(s.peak_bytes) / (1 << 20),
-      state, s.lr);
+      state, s.lr, scale);
 }
 
 void Progress::clear_line() {

@@ -66,7 +66,8 @@ struct Rank {
   std::unique_ptr<optim::AdamW> optimizer;
   std::unique_ptr<DistributedDataParallel> ddp;    // gradient reduction (Note [DDP buckets])
   std::unique_ptr<FullyShardedDataParallel> fsdp;  // --dp-shard > 1 (Note [FSDP])
-  std::unique_ptr<MasterWeights> master;           // --precision bf16 (Note [Master weights])
+  std::unique_ptr<MasterWeights> master;           // --precision bf16/f16 (Note [Master weights])
+  std::unique_ptr<LossScaler> scaler;              // f16 (Note [Dynamic loss scaling])
   // The mesh dims of the data ranks and of what DDP sums over (Note
   // [Training layout]): with FSDP, dp is ("dp_replicate", "dp_shard") and
   // FSDP reduces over dp_shard itself.
@@ -106,7 +107,9 @@ std::string layout_string(const TrainOptions& o, int world) {
       "{}{}",
       world, o.backend, o.device, dp, o.ep, o.cp, cp, o.tp, o.micro_batches,
       o.overlap ? "dual-pipe overlap" : "sequential schedule",
-      o.precision == "bf16" ? ", bf16 with f32 master weights" : "");
+      o.precision == "bf16"  ? ", bf16 with f32 master weights"
+      : o.precision == "f16" ? ", f16 with f32 master weights and dynamic loss scaling"
+                             : "");
 }
 
 void build(Rank& r) {
@@ -157,8 +160,8 @@ void build(Rank& r) {
   }
 
   // The styles keep their placement records through the cast.
-  const bool bf16 = o.precision == "bf16";
-  if (bf16) module->to(DType::BF16);
+  const bool low = o.precision != "f32";
+  if (low) module->to(o.precision == "f16" ? DType::F16 : DType::BF16);
   // After the styles above: FSDP shards what they left on each rank, one
   // group per decoder layer and the rest (embeddings, norm, head) as the root's.
   if (o.dp_shard > 1) {
@@ -167,7 +170,7 @@ void build(Rank& r) {
         FSDPOptions{.shard_dim = "dp_shard",
                     .replicate_dim = "",
                     .op = RedOp::Sum,
-                    .reduce_dtype = bf16 ? std::optional<DType>(DType::F32) : std::nullopt});
+                    .reduce_dtype = low ? std::optional<DType>(DType::F32) : std::nullopt});
   }
   r.params = module->named_parameters();
   for (const auto& [name, p] : r.params)
@@ -180,8 +183,10 @@ void build(Rank& r) {
   r.ddp = std::make_unique<DistributedDataParallel>(
       r.params, r.mesh, r.ddp_dims,
       DDPOptions{.bucket_bytes = static_cast<int64_t>(o.grad_bucket_mb * (1 << 20)),
-                 .reduce_dtype = bf16 ? std::optional<DType>(DType::F32) : std::nullopt});
-  if (bf16) r.master = std::make_unique<MasterWeights>(r.params);
+                 .reduce_dtype = low ? std::optional<DType>(DType::F32) : std::nullopt});
+  if (low) r.master = std::make_unique<MasterWeights>(r.params);
+  if (o.precision == "f16")
+    r.scaler = std::make_unique<LossScaler>(LossScalerOptions{.init_scale = o.loss_scale});
   r.optimizer = std::make_unique<optim::AdamW>(
       r.master ? r.master->params() : r.params,
       optim::AdamWOptions{
@@ -274,6 +279,7 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
     Tensor loss = div(ce_sum, scored_global);
     if (aux_loss.defined()) loss = add(loss, mul(aux_loss, o.aux_weight / replicas));
     loss = div(loss, static_cast<double>(o.micro_batches));
+    if (r.scaler) loss = r.scaler->scale(loss);
     if (i == o.micro_batches - 1) {
       // The last micro-batch's backward reduces what all of them accumulated.
       register_hook(loss, [&r](const Tensor& g) {
@@ -301,9 +307,16 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
   r.ddp->finish();  // then clipped by the global norm
   if (r.master) r.master->grads_to_master();
   const std::vector<Tensor> updated = r.master ? r.master->tensors() : r.tensors;
+  const double loss_scale = r.scaler ? r.scaler->scale() : 0.0;
+  if (r.scaler) r.scaler->unscale(updated);
+  // The same global norm on every rank: an overflow anywhere skips the step
+  // everywhere (Note [Dynamic loss scaling]).
   const double norm = clip_grad_norm(updated, r.mesh, o.clip);
-  r.optimizer->step();
-  if (r.master) r.master->master_to_model();
+  const bool stepped = !r.scaler || r.scaler->update(!std::isfinite(norm));
+  if (stepped) {
+    r.optimizer->step();
+    if (r.master) r.master->master_to_model();
+  }
   // What this rank holds: the model's parameters (and their gradients), the
   // masters', and AdamW's two moment buffers per updated parameter (f32, f64
   // for f64 parameters: optim.h), counted without copying the state.
@@ -333,6 +346,8 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
   s.accuracy = m[1] / std::max(m[2], 1.0);
   s.lr = lr;
   s.grad_norm = norm;
+  s.loss_scale = loss_scale;
+  s.skipped = !stepped;
   s.seconds = seconds_since(start);
   const double tokens = static_cast<double>(o.micro_batches * o.batch * S * o.dp * o.ep);
   s.tokens_per_second = tokens / s.seconds;
@@ -380,6 +395,10 @@ void save(Rank& r, int64_t next_step) {
            .dump()},
       {"model", r.model->identity().dump()},
       {"seed", std::to_string(o.seed)}};
+  if (r.scaler) {
+    const LossScaler::State st = r.scaler->state();
+    meta["loss_scale"] = Json({{"scale", st.scale}, {"good_steps", st.good_steps}}).dump();
+  }
   save_checkpoint(o.save_dir, next_step, pieces, meta, r.world, o.keep);
 }
 
@@ -404,6 +423,13 @@ int64_t resume(Rank& r) {
   // pieces are copies from state_dict(): hand them back.
   r.optimizer->load_state_dict(state);
   if (r.master) r.master->master_to_model();
+  // An f16 run goes on with its loss scale; one resumed from an f32 or bf16
+  // checkpoint starts from the default.
+  auto scale_it = info.meta.find("loss_scale");
+  if (r.scaler && scale_it != info.meta.end()) {
+    const Json st = Json::parse(scale_it->second);
+    r.scaler->load_state({st.at("scale").get<double>(), st.at("good_steps").get<int64_t>()});
+  }
   return std::stoll(info.meta.at("next_step"));
 }
 

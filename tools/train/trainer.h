@@ -16,7 +16,9 @@
 //       sharded over dp_shard (FSDP, one group per block) and replicated
 //       over dp_replicate (HSDP). The data rank is the same either way.
 // --precision bf16 casts the model after the styles (their records stay) and
-// gives AdamW f32 master weights (Note [Master weights]); DDP sums in f32.
+// gives AdamW f32 master weights (Note [Master weights]); DDP and FSDP sum
+// in f32. --precision f16 does the same in f16 and scales the loss (Note
+// [Dynamic loss scaling]), skipping the steps whose gradients overflowed.
 // The data ranks — the replicas that draw different sequences — are dp × ep;
 // every cp and tp rank of one data rank holds the same sequences.
 //
@@ -60,10 +62,12 @@ struct TrainOptions {
   // (FSDP, parallel/fsdp.h); dp / dp_shard such groups replicate it (HSDP
   // when both exceed 1). 1: every dp rank holds every parameter (DDP).
   int dp_shard = 1;
-  // f32, or bf16: the model computes in bf16, AdamW updates f32 master
-  // weights (Note [Master weights]), DDP sums gradients in f32, the loss is
-  // computed in f32.
+  // f32, or bf16 / f16: the model computes in that dtype, AdamW updates f32
+  // master weights (Note [Master weights]), DDP and FSDP sum gradients in
+  // f32, the loss is computed in f32; f16 also scales the loss dynamically
+  // (Note [Dynamic loss scaling]).
   std::string precision = "f32";
+  double loss_scale = 65536.0;      // f16: the initial loss scale
   std::string cp_mode = "ulysses";  // ulysses | allgather | hybrid | ring
   int ulysses_degree = 0;           // hybrid: the Ulysses degree (1 < d < cp, divides cp)
   bool load_balance = false;        // allgather / ring: balanced causal work
@@ -147,7 +151,11 @@ struct StepStats {
   double loss = 0;   // mean cross-entropy over the scored tokens of the step
   double accuracy = 0;
   double lr = 0;
-  double grad_norm = 0;
+  double grad_norm = 0;  // before clipping; not finite on a skipped step
+  // f16: the loss scale the step ran with, and whether its gradients
+  // overflowed (the optimizer skipped it); 0 / false otherwise.
+  double loss_scale = 0;
+  bool skipped = false;
   double seconds = 0;
   double tokens_per_second = 0;
   double comm_wait = 0;        // fraction of the step the ranks' threads waited for comm
