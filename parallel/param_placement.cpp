@@ -7,6 +7,7 @@
 
 #include "tandem/parallel/placement.h"
 #include "tandem/runtime/error.h"
+#include "tandem/tensor/ops.h"
 
 namespace tandem {
 
@@ -82,6 +83,24 @@ std::shared_ptr<const ParamPlacement> param_placement(const Tensor& param) {
   return std::dynamic_pointer_cast<const ParamPlacement>(leaf_annotation(param));
 }
 
+namespace {
+
+// Whether this rank writes a piece of `param`: it is at coordinate 0 of every
+// dim of `mesh` the piece is replicated over (all but the parameter's split
+// dims and `also_split`).
+bool writes_piece(const Tensor& param, const DeviceMesh& mesh, const std::string& also_split) {
+  const std::shared_ptr<const ParamPlacement> placement = param_placement(param);
+  const std::vector<std::string> names = mesh.dim_names();
+  for (size_t d = 0; d < names.size(); ++d) {
+    const bool replicated =
+        names[d] != also_split && (placement == nullptr || !placement->split_over(names[d]));
+    if (replicated && mesh.get_local_rank(static_cast<int>(d)) != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 TensorPiece placed_piece(const std::string& name, const Tensor& local, const Tensor& param,
                          const DeviceMesh& mesh) {
   TensorPiece piece{name, local, local.shape(),
@@ -91,11 +110,28 @@ TensorPiece placed_piece(const std::string& name, const Tensor& local, const Ten
     piece.global_shape = placement->global_shape;
     piece.offsets = placement->offsets;
   }
-  const std::vector<std::string> names = mesh.dim_names();
-  for (size_t d = 0; d < names.size(); ++d) {
-    const bool replicated = placement == nullptr || !placement->split_over(names[d]);
-    if (replicated && mesh.get_local_rank(static_cast<int>(d)) != 0) piece.write = false;
-  }
+  piece.write = writes_piece(param, mesh, "");
+  return piece;
+}
+
+TensorPiece placed_rows_piece(const std::string& name, const Tensor& rows, int64_t start,
+                              const Tensor& param, const DeviceMesh& mesh,
+                              const std::string& split_dim) {
+  mesh.dim_index(split_dim);  // names the known dims when it is not one
+  const int64_t length = rows.dim() == 0 ? 1 : rows.shape()[0];
+  const int64_t n = param.dim() == 0 ? 1 : param.shape()[0];
+  TANDEM_CHECK(start >= 0 && start + length <= n,
+               "[parallel::placed_rows_piece] expected rows within the {} of '{}', got [{}, {})", n,
+               name, start, start + length);
+  // The whole local tensor's piece, then its rows' part of it.
+  TensorPiece piece = placed_piece(name, param, param, mesh);
+  piece.local = param.dim() == 0 ? ops::reshape(rows, {}) : ops::reshape(rows, [&] {
+    Shape s = param.shape();
+    s[0] = length;
+    return s;
+  }());
+  if (param.dim() > 0) piece.offsets[0] += start;
+  piece.write = writes_piece(param, mesh, split_dim);
   return piece;
 }
 

@@ -68,5 +68,12 @@ std::shared_ptr<const ParamPlacement> param_placement(const Tensor& param);
 // every dim of `mesh` the parameter is replicated over.
 TensorPiece placed_piece(const std::string& name, const Tensor& local, const Tensor& param,
                          const DeviceMesh& mesh);
+// The same for rows [start, start + rows.shape()[0]) of the parameter's
+// local tensor (dim 0; a 0-d parameter is one row), a block that each rank
+// of `split_dim` holds its own of (ZeRO-1's optimizer state, Note [ZeRO-1]):
+// written by every rank of that dim.
+TensorPiece placed_rows_piece(const std::string& name, const Tensor& rows, int64_t start,
+                              const Tensor& param, const DeviceMesh& mesh,
+                              const std::string& split_dim);
 
 }  // namespace tandem

@@ -63,6 +63,9 @@ void ZeroRedundancyOptimizer::step() {
   for (Slot& s : slots_) {
     const Tensor g = grad(s.param);
     if (!g.defined()) continue;
+    // The parameter may have changed since the last step (a checkpoint
+    // loaded into it, master weights rounded back): the rows start from it.
+    ops::copy_(s.rows, ops::narrow(as_rows(s.param, s.n, s.row_numel), 0, s.start, s.length));
     set_grad(s.rows,
              ops::contiguous(ops::narrow(as_rows(g, s.n, s.row_numel), 0, s.start, s.length)));
   }

@@ -21,7 +21,13 @@
 // arithmetic of an unsharded AdamW: bit-identical parameters), and gathers
 // every parameter's updated rows in one all-gather (each rank's rows padded
 // to ceil(n / W)) straight into the parameters, in place. A parameter
-// without a gradient is skipped on every rank alike, as AdamW skips it.
+// without a gradient is skipped on every rank alike, as AdamW skips it. The
+// rows are copied out of the parameter at every step, so whatever wrote the
+// parameter in between (a checkpoint loaded into it, master weights rounded
+// back) is what the step updates. In a checkpoint (tandem-train --zero1),
+// each dp rank writes its rows of the moments (placed_rows_piece): the
+// pieces of one tensor are the tensor, so a ZeRO-1 checkpoint resumes with
+// or without ZeRO-1 and a plain one with it.
 #pragma once
 
 #include <map>

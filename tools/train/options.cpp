@@ -38,6 +38,10 @@ Command parse_command_line(const std::vector<std::string>& args) {
                  "DDP; alone it sets --dp)")
       ->check(CLI::Range(1, 1024))
       ->group(layout);
+  app.add_flag("--zero1", o.zero1,
+               "ZeRO-1: shard AdamW's state over the --dp ranks (each updates its rows of every "
+               "parameter, then all-gathers them); with DDP, not --dp-shard")
+      ->group(layout);
   app.add_option("--precision", o.precision,
                  "f32, bf16 or f16: compute in bf16/f16 with f32 master weights, optimizer "
                  "state and gradient sums (f16: with dynamic loss scaling)")

@@ -31,6 +31,7 @@
 #include "tandem/parallel/param_placement.h"
 #include "tandem/parallel/placement.h"
 #include "tandem/parallel/tensor_parallel.h"
+#include "tandem/parallel/zero.h"
 #include "tandem/runtime/allocator.h"
 #include "tandem/runtime/config.h"
 #include "tandem/runtime/error.h"
@@ -51,6 +52,22 @@ double seconds_since(Clock::time_point t) {
 }
 
 // Everything one rank builds once.
+// AdamW, or with --zero1 its ZeRO-1 form over the dp dim (Note [ZeRO-1]).
+struct StepOptimizer {
+  std::unique_ptr<optim::AdamW> adamw;
+  std::unique_ptr<ZeroRedundancyOptimizer> zero;
+
+  void set_lr(double lr) { zero ? zero->set_lr(lr) : adamw->set_lr(lr); }
+  void step() { zero ? zero->step() : adamw->step(); }
+  void zero_grad() { zero ? zero->zero_grad() : adamw->zero_grad(); }
+  std::map<std::string, Tensor> state_dict() const {
+    return zero ? zero->state_dict() : adamw->state_dict();
+  }
+  void load_state_dict(const std::map<std::string, Tensor>& state) {
+    zero ? zero->load_state_dict(state) : adamw->load_state_dict(state);
+  }
+};
+
 struct Rank {
   const TrainOptions& options;
   const Task& task;
@@ -63,7 +80,7 @@ struct Rank {
   std::unique_ptr<DualPipeSchedule> schedule;  // a dense one: sequential
   optim::NamedParams params;    // this rank's pieces, placed (Note [Parameter placements])
   std::vector<Tensor> tensors;  // the same, without names
-  std::unique_ptr<optim::AdamW> optimizer;
+  StepOptimizer optimizer;
   std::unique_ptr<DistributedDataParallel> ddp;    // gradient reduction (Note [DDP buckets])
   std::unique_ptr<FullyShardedDataParallel> fsdp;  // --dp-shard > 1 (Note [FSDP])
   std::unique_ptr<MasterWeights> master;           // --precision bf16/f16 (Note [Master weights])
@@ -98,7 +115,7 @@ std::string layout_string(const TrainOptions& o, int world) {
                                            : std::string(),
                      o.load_balance ? ", load-balanced" : "", cp_async(o) ? ", async" : "");
   }
-  const std::string dp = o.dp_shard == 1      ? fmt::format("dp {}", o.dp)
+  const std::string dp = o.dp_shard == 1 ? fmt::format("dp {}{}", o.dp, o.zero1 ? " (ZeRO-1)" : "")
                          : o.dp_shard == o.dp ? fmt::format("dp {} (FSDP)", o.dp)
                                               : fmt::format("dp {} (HSDP: {} x FSDP {})", o.dp,
                                                             o.dp / o.dp_shard, o.dp_shard);
@@ -187,10 +204,14 @@ void build(Rank& r) {
   if (low) r.master = std::make_unique<MasterWeights>(r.params);
   if (o.precision == "f16")
     r.scaler = std::make_unique<LossScaler>(LossScalerOptions{.init_scale = o.loss_scale});
-  r.optimizer = std::make_unique<optim::AdamW>(
-      r.master ? r.master->params() : r.params,
-      optim::AdamWOptions{
-          .lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = o.weight_decay});
+  const optim::AdamWOptions adamw{
+      .lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = o.weight_decay};
+  const optim::NamedParams& updated = r.master ? r.master->params() : r.params;
+  if (o.zero1) {
+    r.optimizer.zero = std::make_unique<ZeroRedundancyOptimizer>(updated, r.mesh, "dp", adamw);
+  } else {
+    r.optimizer.adamw = std::make_unique<optim::AdamW>(updated, adamw);
+  }
 }
 
 // ---- one step ----
@@ -232,7 +253,7 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
   const Clock::time_point start = Clock::now();
   const int64_t wait_before = comm_wait_ns();
   const double lr = schedule.lr(step);
-  r.optimizer->set_lr(lr);
+  r.optimizer.set_lr(lr);
 
   const int64_t S = r.task.seq_len();
   const double scored_global =
@@ -314,7 +335,7 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
   const double norm = clip_grad_norm(updated, r.mesh, o.clip);
   const bool stepped = !r.scaler || r.scaler->update(!std::isfinite(norm));
   if (stepped) {
-    r.optimizer->step();
+    r.optimizer.step();
     if (r.master) r.master->master_to_model();
   }
   // What this rank holds: the model's parameters (and their gradients), the
@@ -328,9 +349,13 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
     }
     if (!r.master) break;  // the same tensors
   }
-  for (const Tensor& p : updated)
-    state_bytes += 2 * p.numel() * (p.dtype() == DType::F64 ? 8 : 4);
-  r.optimizer->zero_grad();
+  if (r.optimizer.zero) {
+    state_bytes += r.optimizer.zero->state_bytes();  // its rows' moments (and step counts)
+  } else {
+    for (const Tensor& p : updated)
+      state_bytes += 2 * p.numel() * (p.dtype() == DType::F64 ? 8 : 4);
+  }
+  r.optimizer.zero_grad();
 
   MicroStats total;
   for (const MicroStats& s : stats) {
@@ -374,18 +399,26 @@ std::vector<TensorPiece> state_pieces(Rank& r, std::map<std::string, Tensor>& op
   for (const auto& [name, p] : params)
     pieces.push_back(placed_piece("model." + name, p, p, r.mesh));
   for (const auto& [name, p] : params) {
-    for (const char* buffer : {"exp_avg", "exp_avg_sq", "step"}) {
+    for (const std::string buffer : {"exp_avg", "exp_avg_sq", "step"}) {
       const std::string key = name + "." + buffer;
       auto it = optimizer_state.find(key);
       TANDEM_INTERNAL_ASSERT(it != optimizer_state.end(), "optimizer state {} missing", key);
-      pieces.push_back(placed_piece("optim." + key, it->second, p, r.mesh));
+      if (!r.optimizer.zero || buffer == "step") {
+        pieces.push_back(placed_piece("optim." + key, it->second, p, r.mesh));
+        continue;
+      }
+      // ZeRO-1: this dp rank's rows of the moments (Note [ZeRO-1]), so a
+      // checkpoint holds each row once and resumes with or without it.
+      const auto [start, length] = r.optimizer.zero->rows_of(name);
+      if (length > 0)
+        pieces.push_back(placed_rows_piece("optim." + key, it->second, start, p, r.mesh, "dp"));
     }
   }
   return pieces;
 }
 
 void save(Rank& r, int64_t next_step) {
-  std::map<std::string, Tensor> state = r.optimizer->state_dict();
+  std::map<std::string, Tensor> state = r.optimizer.state_dict();
   std::vector<TensorPiece> pieces = state_pieces(r, state);
   const TrainOptions& o = r.options;
   std::map<std::string, std::string> meta = {
@@ -416,12 +449,12 @@ int64_t resume(Rank& r) {
   TANDEM_CHECK(saved == wanted,
                "[train] the checkpoint '{}' holds a different model: expected {}, got {}",
                info.path, wanted.dump(), saved.dump());
-  std::map<std::string, Tensor> state = r.optimizer->state_dict();
+  std::map<std::string, Tensor> state = r.optimizer.state_dict();
   std::vector<TensorPiece> pieces = state_pieces(r, state);
   load_checkpoint(info, pieces);
   // Model pieces alias the parameters (filled in place); the optimizer's
   // pieces are copies from state_dict(): hand them back.
-  r.optimizer->load_state_dict(state);
+  r.optimizer.load_state_dict(state);
   if (r.master) r.master->master_to_model();
   // An f16 run goes on with its loss scale; one resumed from an f32 or bf16
   // checkpoint starts from the default.
@@ -553,32 +586,6 @@ void run_rank(const TrainOptions& o, const Task& task, ProcessGroupPtr world, st
 
 }  // namespace
 
-Fault parse_fault(const std::string& spec) {
-  Fault f;
-  if (spec.empty()) return f;
-  const size_t a = spec.find(':'), b = spec.find(':', a == std::string::npos ? a : a + 1);
-  bool ok = a != std::string::npos && b != std::string::npos;
-  if (ok) {
-    try {
-      size_t used = 0;
-      f.rank = std::stoi(spec.substr(0, a), &used);
-      ok = used == a;
-      f.step = std::stoll(spec.substr(a + 1, b - a - 1), &used);
-      ok = ok && used == b - a - 1;
-    } catch (const std::exception&) {
-      ok = false;
-    }
-    f.kind = spec.substr(b + 1);
-  }
-  ok = ok && f.rank >= 0 && f.step >= 0;
-  TANDEM_CHECK(ok && (f.kind == "forward" || f.kind == "backward" || f.kind == "step-end" ||
-                      f.kind == "exit" || f.kind == "hang"),
-               "[train] expected --inject-fault RANK:STEP:KIND with KIND forward|backward|step-end|"
-               "exit|hang, got '{}'",
-               spec);
-  return f;
-}
-
 std::unique_ptr<Task> make_task(const TrainOptions& o) {
   if (o.model_type == "llama") {
     TANDEM_CHECK(!o.data.empty(),
@@ -588,139 +595,6 @@ std::unique_ptr<Task> make_task(const TrainOptions& o) {
   }
   if (!o.data.empty()) return std::make_unique<TextTask>(o.data, o.seq_len);
   return std::make_unique<RecallTask>(o.recall);
-}
-
-void validate(const TrainOptions& o, int world_size) {
-  const Fault fault = parse_fault(o.fault);
-  TANDEM_CHECK(fault.rank < world_size, "[train] --inject-fault names rank {} of a world of {}",
-               fault.rank, world_size);
-  TANDEM_CHECK(fault.kind != "hang" || o.backend != "threads",
-               "[train] --inject-fault ...:hang needs one process per rank (mpirun): rank threads "
-               "share one process, which a rank stuck past its wait deadline aborts (Note [Stuck "
-               "worker])");
-  TANDEM_CHECK(o.dp >= 1 && o.ep >= 1 && o.cp >= 1 && o.tp >= 1,
-               "[train] expected --dp, --ep, --cp and --tp >= 1, got {}, {}, {}, {}", o.dp, o.ep,
-               o.cp, o.tp);
-  const int64_t product = int64_t{o.dp} * o.ep * o.cp * o.tp;
-  TANDEM_CHECK(product == world_size,
-               "[train] expected dp x ep x cp x tp to equal the world size {}, got {} x {} x {} x "
-               "{} = {}{}",
-               world_size, o.dp, o.ep, o.cp, o.tp, product,
-               o.backend == "threads" ? " (set --ranks, or leave it out to use the product)"
-                                      : " (the number of processes mpirun started)");
-  TANDEM_CHECK(o.dp_shard >= 1 && o.dp % o.dp_shard == 0,
-               "[train] expected --dp-shard to divide --dp (the data ranks it groups), got "
-               "--dp-shard {} with --dp {}",
-               o.dp_shard, o.dp);
-  TANDEM_CHECK(o.dp_shard == 1 || o.tp == 1,
-               "[train] --dp-shard {} with --tp {}: FSDP over tensor-parallel shards is not "
-               "supported yet (colwise weights are already split along dim 0)",
-               o.dp_shard, o.tp);
-  TANDEM_CHECK(o.dp_shard == 1 || !o.overlap,
-               "[train] --dp-shard {} with the dual-pipe overlap: FSDP's hooks run on one thread "
-               "at a time; pass --no-overlap",
-               o.dp_shard);
-  TANDEM_CHECK(o.cp_mode == "ulysses" || o.cp_mode == "allgather" || o.cp_mode == "hybrid" ||
-                   o.cp_mode == "ring",
-               "[train] expected --cp-mode ulysses|allgather|hybrid|ring, got '{}'", o.cp_mode);
-  TANDEM_CHECK(o.model_type == "moe" || o.model_type == "llama",
-               "[train] expected --model moe|llama, got '{}'", o.model_type);
-  TANDEM_CHECK(o.model_type == "llama" || (o.llama_config.empty() && o.init_from.empty()),
-               "[train] --config and --init-from apply to --model llama, got --model {}",
-               o.model_type);
-  int64_t heads = 0, experts = 0;
-  if (o.model_type == "llama") {
-    const LlamaConfig c = llama_config(o);
-    heads = c.num_attention_heads;
-    experts = c.num_local_experts;
-    TANDEM_CHECK(experts > 0 || o.ep == 1,
-                 "[train] --model llama with a dense config ({}) has no experts to place: "
-                 "expected --ep 1, got {}",
-                 c.model_type, o.ep);
-    TANDEM_CHECK(experts == 0 || experts % o.ep == 0,
-                 "[train] expected --ep {} to divide the config's {} experts", o.ep, experts);
-    TANDEM_CHECK(c.num_attention_heads % o.tp == 0 && c.num_key_value_heads % o.tp == 0 &&
-                     c.intermediate_size % o.tp == 0,
-                 "[train] expected --tp {} to divide the config's {} attention heads, {} KV heads "
-                 "and intermediate_size {}",
-                 o.tp, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size);
-  } else {
-    const ModelConfig& m = o.model;
-    heads = m.heads;
-    experts = m.experts;
-    TANDEM_CHECK(m.d_model > 0 && m.layers > 0 && m.heads > 0 && m.hidden > 0,
-                 "[train] expected positive --d-model, --layers, --heads, --hidden, got {}, {}, "
-                 "{}, {}",
-                 m.d_model, m.layers, m.heads, m.hidden);
-    TANDEM_CHECK(m.d_model % m.heads == 0, "[train] expected --heads {} to divide --d-model {}",
-                 m.heads, m.d_model);
-    TANDEM_CHECK(m.heads % o.tp == 0, "[train] expected --tp {} to divide --heads {}", o.tp,
-                 m.heads);
-    TANDEM_CHECK(m.experts >= 1 && m.experts % o.ep == 0,
-                 "[train] expected --ep {} to divide --experts {}", o.ep, m.experts);
-    TANDEM_CHECK(m.top_k >= 1 && m.top_k <= m.experts,
-                 "[train] expected 1 <= --top-k <= --experts {}, got {}", m.experts, m.top_k);
-  }
-  const int64_t local_heads = heads / o.tp;
-  if (o.cp > 1 && o.cp_mode == "ulysses") {
-    TANDEM_CHECK(local_heads % o.cp == 0,
-                 "[train] --cp-mode ulysses splits each rank's {} heads ({} heads / --tp {}) "
-                 "over --cp {}: expected cp to divide them",
-                 local_heads, heads, o.tp, o.cp);
-  }
-  if (o.cp_mode == "hybrid") {
-    TANDEM_CHECK(o.ulysses_degree > 1 && o.ulysses_degree < o.cp && o.cp % o.ulysses_degree == 0,
-                 "[train] --cp-mode hybrid expects 1 < --ulysses-degree < --cp {} dividing it, "
-                 "got {}",
-                 o.cp, o.ulysses_degree);
-    TANDEM_CHECK(local_heads % o.ulysses_degree == 0,
-                 "[train] expected --ulysses-degree {} to divide each rank's {} heads",
-                 o.ulysses_degree, local_heads);
-  }
-  TANDEM_CHECK(o.cp_async == "auto" || o.cp_async == "on" || o.cp_async == "off",
-               "[train] expected --cp-async auto|on|off, got '{}'", o.cp_async);
-  TANDEM_CHECK(o.cp_async != "on" || o.cp_mode != "ring",
-               "[train] --cp-async on expects --cp-mode ulysses, allgather or hybrid (ring keeps "
-               "its transfers in flight behind each block in any case), got '{}'",
-               o.cp_mode);
-  TANDEM_CHECK(o.cp_async != "on" || o.model_type != "llama",
-               "[train] --cp-async on launches the CP collectives from the q/k/v projections, "
-               "but --model llama rotates q and k between projection and attention: expected "
-               "--cp-async auto or off");
-  TANDEM_CHECK(!o.load_balance || o.cp_mode == "allgather" || o.cp_mode == "ring",
-               "[train] --cp-load-balance applies to --cp-mode allgather or ring, got '{}'",
-               o.cp_mode);
-  TANDEM_CHECK(o.micro_batches >= 1, "[train] expected --micro-batches >= 1, got {}",
-               o.micro_batches);
-  TANDEM_CHECK(!o.overlap || experts > 0,
-               "[train] --overlap pairs each side's expert all-to-all with the other side's "
-               "compute, and this --model {} has no experts: expected --no-overlap",
-               o.model_type);
-  TANDEM_CHECK(!o.overlap || o.micro_batches >= 2,
-               "[train] --overlap pairs the backward of one micro-batch with the forward of the "
-               "next: expected --micro-batches >= 2, got {}",
-               o.micro_batches);
-  TANDEM_CHECK(o.steps >= 1 && o.batch >= 1,
-               "[train] expected --steps and --batch >= 1, got {} "
-               "and {}",
-               o.steps, o.batch);
-  TANDEM_CHECK(o.lr > 0 && o.min_lr >= 0 && o.warmup >= 0 && o.weight_decay >= 0 && o.clip >= 0,
-               "[train] expected --lr > 0 and non-negative --min-lr, --warmup, --weight-decay, "
-               "--clip");
-  TANDEM_CHECK(o.save_every >= 0 && o.keep >= 1,
-               "[train] expected --save-every >= 0 and --keep >= 1, got {} and {}", o.save_every,
-               o.keep);
-  TANDEM_CHECK(o.save_every == 0 || !o.save_dir.empty(), "[train] --save-every {} needs --save DIR",
-               o.save_every);
-  TANDEM_CHECK(o.trace_steps >= 1, "[train] expected --trace-steps >= 1, got {}", o.trace_steps);
-  TANDEM_CHECK(o.device == "cpu" || o.device == "cuda",
-               "[train] expected --device cpu|cuda, got "
-               "'{}'",
-               o.device);
-  TANDEM_CHECK(o.device == "cpu" || o.backend != "mpi",
-               "[train] --device cuda runs with --backend threads (the ranks share one device) or "
-               "nccl (one device per rank), got --backend {}",
-               o.backend);
 }
 
 TrainResult run_training(const TrainOptions& options, std::FILE* out) {

@@ -62,6 +62,9 @@ struct TrainOptions {
   // (FSDP, parallel/fsdp.h); dp / dp_shard such groups replicate it (HSDP
   // when both exceed 1). 1: every dp rank holds every parameter (DDP).
   int dp_shard = 1;
+  // ZeRO-1 (parallel/zero.h): with DDP, AdamW's state sharded over the dp
+  // ranks by rows; each updates its rows and all-gathers them.
+  bool zero1 = false;
   // f32, or bf16 / f16: the model computes in that dtype, AdamW updates f32
   // master weights (Note [Master weights]), DDP and FSDP sum gradients in
   // f32, the loss is computed in f32; f16 also scales the loss dynamically
