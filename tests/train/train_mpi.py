@@ -138,12 +138,26 @@ def llama_layouts_match_rank_threads():
         assert mpi == threads, f"{name}: mpirun {mpi} vs rank threads {threads}"
 
 
+def zero1_and_f16():
+    # ZeRO-1 over 4 dp processes: DDP's losses bit for bit; f16 with dynamic
+    # loss scaling: every process skips the same overflowed steps.
+    dp4 = TINY + ["--steps", "4", "--dp", "4", "--ep", "1", "--cp", "1", "--no-overlap"]
+    ddp = losses(run(dp4).stdout)
+    p = run(dp4 + ["--zero1"])
+    assert "(ZeRO-1)" in p.stdout, p.stdout
+    assert losses(p.stdout) == ddp, (losses(p.stdout), ddp)
+    p = run(dp4 + ["--precision", "f16", "--loss-scale", "4194304"])
+    assert "overflow: skipped" in p.stdout, p.stdout
+    assert sorted(losses(p.stdout)) == [1, 2, 3, 4], p.stdout
+
+
 case("trains and saves under mpirun", trains_and_saves)
 case("resumes bit-exactly", resumes_bit_exact)
 case("resumes on another layout", resumes_on_another_layout)
 case("writes a merged trace", trace_has_every_rank)
 case("exports whole tensors", exports)
 case("a bad layout is a clear error", bad_layout_fails)
+case("ZeRO-1 and f16 under mpirun", zero1_and_f16)
 case("Llama and Mixtral under mpirun: the rank threads' losses", llama_layouts_match_rank_threads)
 case("a rank that throws stops the job", fault("forward", "injected fault 'forward' on rank 2"))
 case("a rank that dies stops the job", fault("exit", "the process exits now"))
