@@ -7,19 +7,25 @@
 // backward; misuse is refused by name. Ranks train on test_device().
 #include <catch2/catch.hpp>
 
+#include <nlohmann/json.hpp>
+
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tandem/autograd/nn/container.h"
 #include "tandem/autograd/nn/linear.h"
 #include "tandem/autograd/ops.h"
 #include "tandem/autograd/optim.h"
+#include "tandem/comm/ledger.h"
 #include "tandem/comm/threads/threads_backend.h"
 #include "tandem/parallel/fsdp.h"
 #include "tandem/parallel/param_placement.h"
 #include "tandem/parallel/placement.h"
 #include "tandem/runtime/allocator.h"
+#include "tandem/runtime/trace.h"
 #include "tandem/tensor/storage.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_device.h"
@@ -303,6 +309,69 @@ TEST_CASE("FSDP prefetches all-gathers and reduce-scatters during the backward",
     RANK_CHECK(rc, fsdp.prefetches() == 3 * (groups - 1));
   });
   rc.report();
+}
+
+// Issue 19: every group's reduction launched before the backward finished,
+// checked twice: in the ledger (the order every rank launched them in, and
+// none left for finish()) and in the trace (each launch instant inside its
+// rank thread's backward span).
+TEST_CASE("FSDP's reduce-scatters launch during the backward: ledger order and trace",
+          "[fsdp][trace]") {
+  constexpr int kRanks = 2;
+  tandem::testing::RankChecks rc;
+  trace_start();
+  run_ranks(kRanks, [&](ProcessGroupPtr pg) {
+    DeviceMesh mesh(pg, {kRanks}, {"dp"}, {}, test::test_device());
+    auto model = make_model();
+    FullyShardedDataParallel fsdp(model, model->blocks(), mesh);
+    Ledger& ledger = mesh.get_group("dp")->ledger();
+    for (int s = 0; s < 2; ++s) {
+      const uint64_t before = ledger.size();
+      backward(loss_of(*model, batch_of(pg->rank(), kRanks, s)));
+      const uint64_t after_backward = ledger.size();
+      fsdp.finish();
+      model->zero_grad();
+      // The reduce-scatters of this step, in launch order.
+      std::vector<std::string> launched, in_finish;
+      const std::vector<LedgerEntry> step = ledger.tail(ledger.size() - before);
+      for (const LedgerEntry& e : step) {
+        if (e.op != "reduce_scatter") continue;
+        (e.seq < after_backward ? launched : in_finish).push_back(e.tag);
+      }
+      std::vector<std::string> want;
+      for (const std::string& g : fsdp.forward_order())
+        want.insert(want.begin(), "fsdp reduce_scatter " + g);
+      RANK_CHECK(rc, launched == want);
+      RANK_CHECK(rc, in_finish.empty());
+    }
+  });
+  trace_stop();
+  rc.report();
+  // Per thread: its backward spans, and its reduce-scatter launches.
+  const nlohmann::json doc = nlohmann::json::parse(trace_json());
+  std::map<std::pair<int64_t, int64_t>, std::vector<std::pair<int64_t, int64_t>>> spans;
+  std::map<std::pair<int64_t, int64_t>, std::vector<int64_t>> issues;
+  for (const auto& e : doc["traceEvents"]) {
+    const auto lane = std::make_pair(e.value("pid", int64_t{0}), e.value("tid", int64_t{0}));
+    const std::string name = e.value("name", "");
+    if (e.value("ph", "") == "X" && name == "backward") {
+      const int64_t ts = e["ts"].get<int64_t>();
+      spans[lane].emplace_back(ts, ts + e["dur"].get<int64_t>());
+    } else if (e.value("ph", "") == "i" && name.rfind("issue reduce_scatter", 0) == 0) {
+      issues[lane].push_back(e["ts"].get<int64_t>());
+    }
+  }
+  REQUIRE(issues.size() == kRanks);  // the rank threads
+  for (const auto& [lane, times] : issues) {
+    CHECK(times.size() == 2 * 4);  // two steps of four groups
+    for (int64_t t : times) {
+      INFO("launch at " << t << " us on thread " << lane.second);
+      bool inside = false;
+      for (const auto& [start, end] : spans[lane])
+        inside = inside || (start <= t && t <= end);
+      CHECK(inside);
+    }
+  }
 }
 
 TEST_CASE("FSDP releases the gathered parameters after the forward", "[fsdp]") {
