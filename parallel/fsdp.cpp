@@ -193,13 +193,11 @@ void FullyShardedDataParallel::build_group(const std::string& name,
                    "0, got '{}' of shape {}",
                    p.name, t.shape());
       std::shared_ptr<const ParamPlacement> placed = param_placement(t);
-      TANDEM_CHECK(
-          placed == nullptr || std::none_of(placed->splits.begin(), placed->splits.end(),
-                                            [](const MeshSplit& s) { return s.tensor_dim == 0; }),
-          "[parallel::FSDP] expected parameters not yet split along dim 0, got '{}' "
-          "placed as {} (tensor parallelism's colwise style shards dim 0; FSDP over it "
-          "is not supported)",
-          p.name, placed->str());
+      // Tensor parallelism's colwise style split dim 0 already: the rows
+      // are a nested split of that shard (Note [FSDP]).
+      const bool dim0_split =
+          placed != nullptr && std::any_of(placed->splits.begin(), placed->splits.end(),
+                                           [](const MeshSplit& s) { return s.tensor_dim == 0; });
       if (g->params.empty()) {
         g->dtype = t.dtype();
         g->device = t.device();
@@ -222,8 +220,12 @@ void FullyShardedDataParallel::build_group(const std::string& name,
       // placement record and the split along dim 0 over the shard dim.
       m->set_parameter(local, ops::clone(ops::narrow(t, 0, start, length)));
       p.shard = own_parameter(*m, local);
-      if (placed != nullptr) set_leaf_annotation(p.shard, placed);
-      record_shard(p.shard, shard_mesh_, 0, placed != nullptr ? placed->global_shape : t.shape());
+      if (dim0_split) {
+        record_nested_shard(p.shard, t, shard_mesh_, 0);
+      } else {
+        if (placed != nullptr) set_leaf_annotation(p.shard, placed);
+        record_shard(p.shard, shard_mesh_, 0, placed != nullptr ? placed->global_shape : t.shape());
+      }
       g->params.push_back(std::move(p));
     }
   }

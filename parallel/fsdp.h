@@ -55,10 +55,16 @@
 // widened before the reduce-scatter and every sum is taken in it: each
 // shard's gradient is rounded into the parameter's dtype once, at the end.
 //
-// Not (yet) covered: parameters already split along dim 0 by another style
-// (tensor parallelism's colwise: refused by name), the dual-pipe schedule's
-// two workers, and recompute inside a group (a re-run forward finds the
-// group gathered and leaves it so).
+// Over tensor parallelism. A parameter the colwise style already split
+// along dim 0 is sharded again: each FSDP rank takes its chunk of this tp
+// rank's rows, a block of the global tensor that is still contiguous
+// (record_nested_shard: the tp offset plus the chunk's start), so
+// checkpoints, clipping and the reductions read it like any other record;
+// the gathered whole is the tp shard the style's forward expects.
+//
+// Not (yet) covered: the dual-pipe schedule's two workers, and recompute
+// inside a group (a re-run forward finds the group gathered and leaves it
+// so).
 #pragma once
 
 #include <memory>

@@ -75,6 +75,26 @@ void record_shard(const Tensor& param, const DeviceMesh& mesh, int64_t tensor_di
   add_split(param, std::move(record), {dim, tensor_dim}, "record_shard");
 }
 
+void record_nested_shard(const Tensor& param, const Tensor& whole, const DeviceMesh& mesh,
+                         int64_t tensor_dim) {
+  TANDEM_CHECK(mesh.ndim() == 1, "[parallel::record_nested_shard] expected a 1-D mesh, got {}",
+               mesh.str());
+  TANDEM_CHECK(tensor_dim >= 0 && tensor_dim < param.dim() && whole.dim() == param.dim(),
+               "[parallel::record_nested_shard] expected a tensor dim in [0, {}) of a block of {} "
+               "dims, got dim {} and a block of shape {}",
+               param.dim(), param.dim(), tensor_dim, whole.shape().str());
+  ParamPlacement record = current(whole);
+  const auto [start, length] =
+      chunk_range(whole.shape()[tensor_dim], mesh.size(), mesh.get_local_rank(0));
+  TANDEM_CHECK(length == param.shape()[tensor_dim],
+               "[parallel::record_nested_shard] expected the local chunk of a block of {} along "
+               "dim {} over {} ranks to have {} elements on rank {}, got {}",
+               whole.shape().str(), tensor_dim, mesh.size(), length, mesh.get_local_rank(0),
+               param.shape()[tensor_dim]);
+  record.offsets[static_cast<size_t>(tensor_dim)] += start;
+  add_split(param, std::move(record), {mesh.dim_names()[0], tensor_dim}, "record_nested_shard");
+}
+
 void record_owned(const Tensor& param, const std::string& mesh_dim) {
   add_split(param, current(param), {mesh_dim, -1}, "record_owned");
 }

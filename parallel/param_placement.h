@@ -55,6 +55,14 @@ struct ParamPlacement final : LeafAnnotation {
 // second split along the same tensor dim throws).
 void record_shard(const Tensor& param, const DeviceMesh& mesh, int64_t tensor_dim,
                   const Shape& global_shape);
+// Records that `param` is chunk `mesh`'s local rank, along `tensor_dim`, of
+// the block `whole` that this rank held before (with whole's record, if
+// any): a split nested inside an earlier one, as FSDP's rows of a
+// tensor-parallel shard. The rank's block of the global tensor stays
+// contiguous, at whole's offset plus the chunk's start; the record lists
+// both mesh dims along that tensor dim.
+void record_nested_shard(const Tensor& param, const Tensor& whole, const DeviceMesh& mesh,
+                         int64_t tensor_dim);
 // Records that `param` exists whole on this rank only, among the ranks of
 // mesh dim `mesh_dim`.
 void record_owned(const Tensor& param, const std::string& mesh_dim);

@@ -26,13 +26,21 @@ namespace fs = std::filesystem;
 
 TEST_CASE("FSDP and HSDP train like DDP on the same data ranks", "[train][fsdp]") {
   struct Layout {
-    int dp, dp_shard, ep, cp;
+    int dp, dp_shard, ep, cp, tp;
   };
-  for (Layout l :
-       {Layout{4, 4, 1, 1}, Layout{4, 2, 1, 1}, Layout{2, 2, 1, 2}, Layout{2, 2, 2, 1}}) {
-    INFO("dp " << l.dp << " dp_shard " << l.dp_shard << " ep " << l.ep << " cp " << l.cp);
-    const TrainResult ddp = run_training(sharded(l.dp, 1, l.ep, l.cp));
-    const TrainResult fsdp = run_training(sharded(l.dp, l.dp_shard, l.ep, l.cp));
+  // tp 2: FSDP over the colwise weights' tensor-parallel rows (a nested
+  // split, Note [FSDP]).
+  for (Layout l : {Layout{4, 4, 1, 1, 1}, Layout{4, 2, 1, 1, 1}, Layout{2, 2, 1, 2, 1},
+                   Layout{2, 2, 2, 1, 1}, Layout{2, 2, 1, 1, 2}}) {
+    INFO("dp " << l.dp << " dp_shard " << l.dp_shard << " ep " << l.ep << " cp " << l.cp << " tp "
+               << l.tp);
+    auto layout = [&](int dp_shard) {
+      TrainOptions o = sharded(l.dp, dp_shard, l.ep, l.cp);
+      o.tp = l.tp;
+      return o;
+    };
+    const TrainResult ddp = run_training(layout(1));
+    const TrainResult fsdp = run_training(layout(l.dp_shard));
     REQUIRE(fsdp.steps.size() == ddp.steps.size());
     for (size_t i = 0; i < ddp.steps.size(); ++i) {
       INFO("step " << i);
@@ -48,24 +56,33 @@ TEST_CASE("FSDP and HSDP train like DDP on the same data ranks", "[train][fsdp]"
 }
 
 TEST_CASE("an FSDP checkpoint resumes bit-exactly, and on DDP", "[train][checkpoint][fsdp]") {
-  TempDir dir("train");
-  TrainOptions o = sharded(2, 2, 1, 1);
-  o.save_dir = (dir.path / "ckpt").string();
-  o.save_every = 3;
-  const std::vector<double> full = losses(run_training(o));
-  REQUIRE(full.size() == 6);
+  for (int tp : {1, 2}) {
+    INFO("tp " << tp);
+    TempDir dir("train");
+    auto layout = [&](int dp_shard) {
+      TrainOptions o = sharded(4 / tp, dp_shard, 1, 1);
+      o.tp = tp;
+      return o;
+    };
+    TrainOptions o = layout(2);
+    o.save_dir = (dir.path / "ckpt").string();
+    o.save_every = 3;
+    const std::vector<double> full = losses(run_training(o));
+    REQUIRE(full.size() == 6);
 
-  TrainOptions again = sharded(2, 2, 1, 1);
-  again.resume = (dir.path / "ckpt" / "step-00000003").string();
-  CHECK(losses(run_training(again)) == std::vector<double>(full.begin() + 3, full.end()));
+    TrainOptions again = layout(2);
+    again.resume = (dir.path / "ckpt" / "step-00000003").string();
+    CHECK(losses(run_training(again)) == std::vector<double>(full.begin() + 3, full.end()));
 
-  // Each rank wrote its rows of every parameter; DDP reads them back whole.
-  TrainOptions ddp = sharded(2, 1, 1, 1);
-  ddp.resume = again.resume;
-  const std::vector<double> resharded = losses(run_training(ddp));
-  REQUIRE(resharded.size() == 3);
-  for (size_t i = 0; i < 3; ++i)
-    CHECK(resharded[i] == Approx(full[3 + i]).epsilon(1e-4));
+    // Each rank wrote its rows of every parameter (with tp: its rows of its
+    // tp rank's rows); DDP reads them back whole (its tp shard).
+    TrainOptions ddp = layout(1);
+    ddp.resume = again.resume;
+    const std::vector<double> resharded = losses(run_training(ddp));
+    REQUIRE(resharded.size() == 3);
+    for (size_t i = 0; i < 3; ++i)
+      CHECK(resharded[i] == Approx(full[3 + i]).epsilon(1e-4));
+  }
 }
 
 TEST_CASE("--dp-shard and --dp-replicate set the data layout", "[train][fsdp]") {
@@ -78,9 +95,6 @@ TEST_CASE("--dp-shard and --dp-replicate set the data layout", "[train][fsdp]") 
       Catch::Contains("--dp = --dp-replicate x --dp-shard = 2 x 2 = 4, got --dp 3"));
   TrainOptions o = sharded(4, 3, 1, 1);
   CHECK_THROWS_WITH(validate(o, 4), Catch::Contains("--dp-shard to divide --dp"));
-  o = sharded(2, 2, 1, 1);
-  o.tp = 2;
-  CHECK_THROWS_WITH(validate(o, 4), Catch::Contains("with --tp 2"));
   o = sharded(2, 2, 2, 1);
   o.overlap = true;
   CHECK_THROWS_WITH(validate(o, 4), Catch::Contains("--no-overlap"));

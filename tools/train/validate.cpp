@@ -63,10 +63,6 @@ void validate(const TrainOptions& o, int world_size) {
                "[train] expected --dp-shard to divide --dp (the data ranks it groups), got "
                "--dp-shard {} with --dp {}",
                o.dp_shard, o.dp);
-  TANDEM_CHECK(o.dp_shard == 1 || o.tp == 1,
-               "[train] --dp-shard {} with --tp {}: FSDP over tensor-parallel shards is not "
-               "supported yet (colwise weights are already split along dim 0)",
-               o.dp_shard, o.tp);
   TANDEM_CHECK(o.dp_shard == 1 || !o.overlap,
                "[train] --dp-shard {} with the dual-pipe overlap: FSDP's hooks run on one thread "
                "at a time; pass --no-overlap",
