@@ -51,7 +51,6 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// Everything one rank builds once.
 // AdamW, or with --zero1 its ZeRO-1 form over the dp dim (Note [ZeRO-1]).
 struct StepOptimizer {
   std::unique_ptr<optim::AdamW> adamw;
@@ -68,6 +67,7 @@ struct StepOptimizer {
   }
 };
 
+// Everything one rank builds once.
 struct Rank {
   const TrainOptions& options;
   const Task& task;
