@@ -7,8 +7,12 @@
 // The model is a stack of kLayers Linear + tanh layers of width kWidth, the
 // same weights on every rank, each rank its own batch. Three ways of ending
 // the backward take turns step by step on the same rank threads, each step
-// started by a barrier and timed on rank 0 from the barrier to the reduced
-// gradients: "none" (no reduction: the floor), "flat" (reduce_gradients
+// started by a barrier and timed on rank 0 from that barrier to a second one
+// once every rank has its reduced gradients: the four rank threads share
+// two cores, so rank 0's own end is not the step's (without a reduction it
+// may finish its backward well before the last rank; a reduction makes it
+// wait for that rank, which would count the others' compute as the
+// reduction's cost). The modes: "none" (no reduction: the floor), "flat" (reduce_gradients
 // after the backward: the whole reduction exposed) and "ddp" (buckets of
 // kBucketBytes launched from the gradient-ready hooks during the backward).
 //   ddp-threads  the plain threads backend: ddp's step over none's; target
@@ -113,6 +117,8 @@ Measured measure(const ProcessGroupPtr& world, int steps) {
       const auto t2 = Clock::now();
       if (m == Mode::Flat) reduce_gradients(plain_net.tensors(), mesh, {"dp"});
       if (m == Mode::Ddp) ddp.finish();
+      // The step is over when every rank is (Note [DDP benchmark]).
+      world->barrier({"step end"})->synchronize();
       const auto t3 = Clock::now();
       for (const Tensor& w : net.tensors())
         zero_grad(w);
