@@ -1,6 +1,7 @@
 #include "tandem/autograd/mixed_precision.h"
 
 #include <cmath>
+#include <limits>
 
 #include "tandem/autograd/node.h"
 #include "tandem/autograd/ops.h"
@@ -90,7 +91,7 @@ bool LossScaler::update(bool found_inf) {
   if (++good_steps_ >= options_.growth_interval) {
     // A scale that would overflow f32 stays where it is.
     const double grown = scale_ * options_.growth_factor;
-    if (grown <= 3.0e38) scale_ = grown;
+    if (grown <= std::numeric_limits<float>::max()) scale_ = grown;
     good_steps_ = 0;
   }
   return true;

@@ -34,14 +34,21 @@ inline train::TrainOptions tiny() {
   return o;
 }
 
+// tiny() on the mesh (dp, ep, cp, tp).
+inline train::TrainOptions on_layout(int dp, int ep, int cp, int tp) {
+  train::TrainOptions o = tiny();
+  o.dp = dp;
+  o.ep = ep;
+  o.cp = cp;
+  o.tp = tp;
+  return o;
+}
+
 // tiny() on a (dp, ep, cp) layout, dp_shard of the dp ranks sharding the
 // parameters (FSDP), with the sequential schedule.
 inline train::TrainOptions sharded(int dp, int dp_shard, int ep, int cp) {
-  train::TrainOptions o = tiny();
-  o.dp = dp;
+  train::TrainOptions o = on_layout(dp, ep, cp, 1);
   o.dp_shard = dp_shard;
-  o.ep = ep;
-  o.cp = cp;
   o.overlap = false;
   return o;
 }

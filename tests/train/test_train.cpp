@@ -31,6 +31,7 @@
 
 using namespace tandem;
 using tandem::test::losses;
+using tandem::test::on_layout;
 using tandem::test::TempDir;
 using tandem::test::tiny;
 using namespace tandem::train;
@@ -102,11 +103,7 @@ TEST_CASE("every parallel layout trains", "[train]") {
                    Layout{1, 1, 4, 1, "ring", true}, Layout{1, 1, 4, 1, "hybrid", false},
                    Layout{2, 2, 1, 1, "ulysses", false}}) {
     INFO("dp " << l.dp << " ep " << l.ep << " cp " << l.cp << " tp " << l.tp << " " << l.mode);
-    TrainOptions o = tiny();
-    o.dp = l.dp;
-    o.ep = l.ep;
-    o.cp = l.cp;
-    o.tp = l.tp;
+    TrainOptions o = on_layout(l.dp, l.ep, l.cp, l.tp);
     o.cp_mode = l.mode;
     o.load_balance = l.balance;
     o.ulysses_degree = 2;

@@ -18,6 +18,7 @@
 
 using namespace tandem;
 using tandem::test::losses;
+using tandem::test::on_layout;
 using tandem::test::sharded;
 using tandem::test::TempDir;
 using tandem::test::tiny;
@@ -225,11 +226,7 @@ TEST_CASE("ZeRO-1 trains bit-identically to DDP with cp, ep and tp", "[train][ze
   for (Layout l : {Layout{2, 2, 1, 1, true, "f32"}, Layout{2, 1, 2, 1, false, "f32"},
                    Layout{2, 1, 1, 2, false, "f32"}, Layout{4, 1, 1, 1, false, "bf16"}}) {
     INFO("dp " << l.dp << " ep " << l.ep << " cp " << l.cp << " tp " << l.tp << " " << l.precision);
-    TrainOptions o = tiny();
-    o.dp = l.dp;
-    o.ep = l.ep;
-    o.cp = l.cp;
-    o.tp = l.tp;
+    TrainOptions o = on_layout(l.dp, l.ep, l.cp, l.tp);
     o.overlap = l.overlap;
     o.precision = l.precision;
     const TrainResult ddp = run_training(o);
