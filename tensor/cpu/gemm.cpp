@@ -70,6 +70,18 @@ constexpr int64_t kNC = simd::kVectorRegisters >= 32 ? 512 : 256;
 // not 2040 and a tile of 12 that repacks all of B for itself.
 constexpr int64_t kMC = 2048 / kMR * kMR;
 
+// Note [GEMM B prefetch]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Each micro-kernel call reads its B micro-panel (kKC x kNR floats) once per
+// A tile, and the packed block of B (kKC x kNC) lives in L2, not L1. The
+// hardware's L2-to-L1 prefetcher follows that stream late: on an Intel core
+// with two 512-bit FMA ports the kernel waited on B often enough to leave FMA
+// slots idle (the tensor matmul and llama-block rows of tandem-bench). So the
+// kernel asks for B kBAhead steps ahead, one prefetch per cache line; the
+// last panel's prefetches land in kBAhead rows of slack at the end of the
+// buffer. The bits do not change.
+constexpr int64_t kBAhead = 4;
+
 // Keeps GCC from re-reading `v` as a memory operand of every FMA that uses it.
 #define TANDEM_IN_REGISTER(v) __asm__("" : "+v"(v))
 
@@ -114,6 +126,11 @@ __attribute__((noinline)) void micro_kernel(int64_t kc, const float* ap, const f
       acc[r][v] = VecF{};
   }
   for (int64_t p = 0; p < kc; ++p) {
+    // The B micro-panel streams from L2 (a kKC x kNC block does not fit L1):
+    // ask for its rows a few steps ahead, past its end into the next panel,
+    // which the next call reads (Note [GEMM B prefetch]).
+    for (int64_t v = 0; v < kNR; v += 64 / static_cast<int64_t>(sizeof(float)))
+      __builtin_prefetch(bp + (p + kBAhead) * kNR + v, 0, 3);
     VecF b[kNV];
     for (int64_t v = 0; v < kNV; ++v) {
       b[v] = simd::load(bp + p * kNR + v * kW);
@@ -296,7 +313,7 @@ void compute_tiles(const float* ap, int64_t t_base, const float* bp, float* c, i
 void own_sgemm(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k,
                const GemmArgs& g, int64_t lda, int64_t ldb, int64_t ldc) {
   // Per thread: each piece of a split product packs into its own buffers.
-  thread_local std::vector<float> b_buf(static_cast<size_t>(kKC * kNC));
+  thread_local std::vector<float> b_buf(static_cast<size_t>(kKC * kNC + kBAhead * kNR));
   thread_local std::vector<float> a_buf;
   float* bp = b_buf.data();
   const int64_t tiles = (m + kMR - 1) / kMR;
