@@ -50,6 +50,7 @@
 // called on every rank of the mesh, and every forward is collective over it.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -118,21 +119,34 @@ struct ContextParallel {
 // whose transfers are in flight behind each block's compute in both
 // directions already. The projections output (B, S, heads * head_size),
 // and q/k/v reach the attention as views of those outputs (reshaped, nothing
-// computed in between). Where they do not — a null or fused (one module for
-// two of q/k/v) projection, a rotary embedding between projection and
-// attention — those collectives run synchronously, as ContextParallel's, and
-// a debug-level line says which and why (Note [Async CP fallback]).
+// computed in between, or what `prepare` computes in the projection hook).
+// Where they do not — a null or fused (one module for two of q/k/v)
+// projection, something else computed between projection and attention —
+// those collectives run synchronously, as ContextParallel's, and a
+// debug-level line says which and why (Note [Async CP fallback]).
 struct AsyncContextParallel {
   ContextParallel config;
   int64_t head_size = 0;
-  void apply(const std::shared_ptr<nn::CoreAttention>& core, const std::shared_ptr<Module>& q_proj,
-             const std::shared_ptr<Module>& k_proj, const std::shared_ptr<Module>& v_proj,
-             const DeviceMesh& mesh) const;
+  // Optional: what the layer computes on projection `slot`'s output (0, 1,
+  // 2: q, k, v) before the attention, applied by the projection's hook before
+  // its collective starts; the output's shape stays (Note [Rotary before the
+  // exchange] in cp_async.cpp). The layer must then skip it for the slots
+  // apply() returns.
+  std::function<Tensor(int slot, const Tensor& y)> prepare = nullptr;
+  // Returns the slots whose projections it hooked: {0, 1, 2} (Ulysses,
+  // hybrid), {1, 2} (all-gather KV), none when it installed ContextParallel's
+  // layer instead (ring, or the fallback at apply).
+  std::vector<int> apply(const std::shared_ptr<nn::CoreAttention>& core,
+                         const std::shared_ptr<Module>& q_proj,
+                         const std::shared_ptr<Module>& k_proj,
+                         const std::shared_ptr<Module>& v_proj, const DeviceMesh& mesh) const;
 };
 
 // Context parallelism on a whole attention layer: AsyncContextParallel from
-// its q/k/v projections when `async`, else `config` on its core.
-void apply_context_parallel(const nn::SelfAttention& attn, const ContextParallel& config,
+// its q/k/v projections when `async`, else `config` on its core. A layer
+// with QK-norm or a rotary embedding has them applied by the projections'
+// hooks where those start collectives (Note [Rotary before the exchange]).
+void apply_context_parallel(nn::SelfAttention& attn, const ContextParallel& config,
                             const DeviceMesh& mesh, bool async);
 
 // Global positions of the sequence pieces a rank holds, in local order: one

@@ -11,6 +11,7 @@
 // pre-hook collectives). Per-call state: Note [CP per-call state].
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -70,6 +71,8 @@ struct AsyncLayer {
   int ds = 1;      // the Ulysses degree: cp (Ulysses), 1 (all-gather KV) or between (hybrid)
   int64_t hs = 0;  // head size
   bool load_balance = false;
+  // AsyncContextParallel::prepare (Note [Rotary before the exchange]).
+  std::function<Tensor(int, const Tensor&)> prepare;
   // The first hooked slot (0, 1, 2: q, k, v): all-gather KV leaves q alone.
   int first_slot() const { return ds > 1 ? 0 : 1; }
   int projections() const { return 3 - first_slot(); }
@@ -240,14 +243,21 @@ void register_launch_hook(const std::shared_ptr<Module>& proj, int i, const Asyn
   proj->register_forward_hook(
       [=](Module&, const Args& in,
           const std::vector<Tensor>& outs) -> std::optional<std::vector<Tensor>> {
-        const Tensor& y = outs.at(0);  // (B, S, heads * hs), already past the backward pre-hook
+        std::vector<Tensor> out = outs;
+        // (B, S, heads * hs), already past the backward pre-hook; prepared
+        // for the attention where the layer moved that here (Note [Rotary
+        // before the exchange]).
+        if (layer.prepare) out[0] = layer.prepare(i, outs.at(0));
+        const Tensor y = out[0];
         // Anything else is left alone; the attention pre-hook then finds no
         // exchange for it and falls back (Note [Async CP fallback]).
-        if (y.dim() != 3 || y.shape()[2] % layer.hs != 0) return std::nullopt;
-        const Tensor& x = in.positional.empty() ? y : in.positional[0];
+        if (y.dim() != 3 || y.shape()[2] % layer.hs != 0) {
+          if (layer.prepare) return out;
+          return std::nullopt;
+        }
+        const Tensor& x = in.positional.empty() ? outs.at(0) : in.positional[0];
         std::vector<int64_t> lengths = forward_lengths(layer, x, y);
         auto ex = std::make_shared<Exchange>(make_exchange(y.shape(), i, layer, lengths));
-        std::vector<Tensor> out = outs;
         out[0] = exchange_open(ex, y);
         exchange_start(ex, out[0]);
         std::lock_guard<std::mutex> lock(layer.handoff->mu);
@@ -266,7 +276,8 @@ void register_launch_hook(const std::shared_ptr<Module>& proj, int i, const Asyn
 //   - at apply(): a projection is missing, or one module stands for two of
 //     q/k/v (a fused QKV projection) — the whole layer is ContextParallel's;
 //   - per forward and tensor: something is computed between the projection
-//     and the attention (a rotary embedding, a norm), or the projection's
+//     and the attention (a rotary embedding, a norm: nn::SelfAttention moves
+//     its own into the hook, Note [Rotary before the exchange]), or the projection's
 //     output is not (B, S, heads * head_size). That tensor's collective runs
 //     in the attention pre-hook as in ContextParallel; the others stay async.
 //     A collective the projection hook started on an output that never
@@ -367,28 +378,53 @@ void register_join_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
 
 }  // namespace
 
-void apply_context_parallel(const nn::SelfAttention& attn, const ContextParallel& config,
+// Note [Rotary before the exchange]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A Llama-family attention layer computes on q and k between the projection
+// and the attention: the QK-norm and the rotary embedding. The async path
+// starts each collective on the projection's output, and the gradient
+// arriving in backward is in flight until the exchange's Open (Note
+// [Exchange windows]): only views may sit between Open and the attention.
+// So for a SelfAttention the projection hook applies the layer's
+// head_preparation() itself, before it opens the exchange, and the layer's
+// forward skips it for the slots the hooks prepare (set_prepared_by_hooks).
+// The computation is the same, per token and head at the token's global
+// position (PositionScope: the hook runs inside the same call), so the
+// results equal the synchronous layer's. In backward the Open waits for the
+// reverse collective before the rotary's and the norm's backward read the
+// gradient; in forward those run before the collective is issued. Under
+// all-gather KV q is not exchanged and stays prepared in forward.
+void apply_context_parallel(nn::SelfAttention& attn, const ContextParallel& config,
                             const DeviceMesh& mesh, bool async) {
   if (!async) {
     config.apply(attn.core(), mesh);
     return;
   }
   AsyncContextParallel a{.config = config, .head_size = attn.head_dim()};
-  a.apply(attn.core(), attn.q_proj(), attn.k_proj(), attn.v_proj(), mesh);
+  std::function<Tensor(const Tensor&)> q = attn.head_preparation(0), k = attn.head_preparation(1);
+  if (q || k) {
+    a.prepare = [q, k](int slot, const Tensor& y) {
+      const auto& f = slot == 0 ? q : slot == 1 ? k : nullptr;
+      return f ? f(y) : y;
+    };
+  }
+  for (int slot : a.apply(attn.core(), attn.q_proj(), attn.k_proj(), attn.v_proj(), mesh)) {
+    if (a.prepare && slot < 2) attn.set_prepared_by_hooks(slot);
+  }
 }
 
-void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
-                                 const std::shared_ptr<Module>& q_proj,
-                                 const std::shared_ptr<Module>& k_proj,
-                                 const std::shared_ptr<Module>& v_proj,
-                                 const DeviceMesh& mesh) const {
+std::vector<int> AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
+                                             const std::shared_ptr<Module>& q_proj,
+                                             const std::shared_ptr<Module>& k_proj,
+                                             const std::shared_ptr<Module>& v_proj,
+                                             const DeviceMesh& mesh) const {
   check_options(*this);
   if (config.mode == CPMode::Ring) {
     // Ring attention keeps the next K/V block and the dK/dV accumulators in
     // flight while each block computes, in both directions (Note [Ring
     // backward in flight]): its own layer is the asynchronous one.
     config.apply(core, mesh);
-    return;
+    return {};
   }
   const bool ulysses = config.ulysses_degree > 1;
   std::vector<std::shared_ptr<Module>> projections = {q_proj, k_proj, v_proj};
@@ -409,7 +445,7 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
         "collectives: {}",
         why);
     config.apply(core, mesh);
-    return;
+    return {};
   }
   std::shared_ptr<CPRuntime> rt = config.install(core, mesh, false);
   AsyncLayer layer;
@@ -420,9 +456,14 @@ void AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
   layer.ds = rt->ds;
   layer.hs = head_size;
   layer.load_balance = config.load_balance;
-  for (int i = layer.first_slot(); i < 3; ++i)
+  layer.prepare = prepare;
+  std::vector<int> hooked;
+  for (int i = layer.first_slot(); i < 3; ++i) {
     register_launch_hook(projections[i], i, layer);
+    hooked.push_back(i);
+  }
   register_join_pre_hook(core, config, layer);
+  return hooked;
 }
 
 }  // namespace tandem

@@ -1,6 +1,7 @@
 #include "tandem/autograd/nn/attention.h"
 
 #include <algorithm>
+#include <tuple>
 
 #include "tandem/autograd/ops.h"
 #include "tandem/runtime/error.h"
@@ -159,6 +160,41 @@ std::pair<Tensor, Tensor> KVCache::append(const void* layer, const Tensor& k, co
   return {ops::narrow(e.k, 1, 0, e.length), ops::narrow(e.v, 1, 0, e.length)};
 }
 
+namespace {
+// q or k (B, S, heads, head_dim) after the QK-norm and the rotary embedding
+// (tables cos/sin; undefined without one).
+Tensor prepare_heads(Tensor t, const std::shared_ptr<RMSNorm>& norm, const Tensor& cos,
+                     const Tensor& sin) {
+  if (norm) t = (*norm)(t);
+  if (cos.defined()) t = apply_rotary(t, cos, sin);
+  return t;
+}
+}  // namespace
+
+std::function<Tensor(const Tensor&)> SelfAttention::head_preparation(int slot) const {
+  TANDEM_CHECK(slot >= 0 && slot <= 2,
+               "[nn::SelfAttention] expected slot 0, 1 or 2 (q, k, v), got {}", slot);
+  const std::shared_ptr<RMSNorm> norm = slot == 0 ? q_norm_ : slot == 1 ? k_norm_ : nullptr;
+  if (slot == 2 || (!norm && !rope_)) return nullptr;
+  return [norm, rope = rope_, hd = head_dim_](const Tensor& y) {
+    TANDEM_CHECK(y.dim() == 3 && y.shape()[2] % hd == 0,
+                 "[nn::SelfAttention] expected a projection output (B, S, heads * {}), got {}", hd,
+                 y.shape());
+    const int64_t B = y.shape()[0], S = y.shape()[1];
+    Tensor cos, sin;
+    if (rope)
+      std::tie(cos, sin) = rotary_tables(*rope, S, y.dtype(), y.device(), "nn::SelfAttention");
+    Tensor t = prepare_heads(reshape(y, Shape{B, S, y.shape()[2] / hd, hd}), norm, cos, sin);
+    return reshape(t, y.shape());
+  };
+}
+
+void SelfAttention::set_prepared_by_hooks(int slot) {
+  TANDEM_CHECK(slot == 0 || slot == 1, "[nn::SelfAttention] expected slot 0 (q) or 1 (k), got {}",
+               slot);
+  prepared_by_hooks_[slot] = true;
+}
+
 std::vector<Tensor> SelfAttention::forward(Args& args) {
   const Tensor& x = single_input(args, "SelfAttention");
   TANDEM_CHECK(x.dim() == 3 && x.shape()[2] == d_model_,
@@ -173,15 +209,11 @@ std::vector<Tensor> SelfAttention::forward(Args& args) {
   Tensor q = split_heads((*q_proj_)(x));
   Tensor k = split_heads((*k_proj_)(x));
   Tensor v = split_heads((*v_proj_)(x));
-  if (q_norm_) {
-    q = (*q_norm_)(q);
-    k = (*k_norm_)(k);
-  }
-  if (rope_) {
-    auto [cos, sin] = rotary_tables(*rope_, S, x.dtype(), x.device(), "nn::SelfAttention");
-    q = apply_rotary(q, cos, sin);
-    k = apply_rotary(k, cos, sin);
-  }
+  Tensor cos, sin;
+  if (rope_ && !(prepared_by_hooks_[0] && prepared_by_hooks_[1]))
+    std::tie(cos, sin) = rotary_tables(*rope_, S, x.dtype(), x.device(), "nn::SelfAttention");
+  if (!prepared_by_hooks_[0]) q = prepare_heads(q, q_norm_, cos, sin);
+  if (!prepared_by_hooks_[1]) k = prepare_heads(k, k_norm_, cos, sin);
   Tensor attn;
   if (std::shared_ptr<KVCache> cache = scoped_cache()) {
     TANDEM_CHECK(!grad_mode_enabled(),

@@ -172,10 +172,23 @@ class SelfAttention final : public Module {
   const std::shared_ptr<RMSNorm>& k_norm() const { return k_norm_; }
   const std::optional<RotaryOptions>& rope() const { return rope_; }
 
+  // What forward computes on the output y (B, S, heads * head_dim) of the q
+  // (slot 0) or k (slot 1) projection before the core attends to it: the
+  // QK-norm and the rotary embedding, at the positions of this call
+  // (PositionScope), returned in y's shape. Null for v (slot 2) and when the
+  // layer has neither. Holds no reference to the layer.
+  std::function<Tensor(const Tensor&)> head_preparation(int slot) const;
+  // From now on the q (0) or k (1) projection's output arrives prepared:
+  // something that hooks the projection applies head_preparation(slot) to
+  // it, and forward no longer does (Note [Rotary before the exchange] in
+  // parallel/cp_async.cpp).
+  void set_prepared_by_hooks(int slot);
+
  protected:
   std::vector<Tensor> forward(Args& args) override;
 
  private:
+  bool prepared_by_hooks_[2] = {false, false};
   int64_t d_model_;
   int64_t n_heads_;
   int64_t n_kv_heads_;

@@ -3,14 +3,16 @@
 // ranks each declare the global positions of the tokens they hold, from
 // sequence_positions(), equals the single-rank layer on the whole sequence,
 // output and every gradient, in every CP mode with and without the head-tail
-// load balance, sync and async (whose collectives fall back to the
-// synchronous ones: the rotation sits between projection and attention).
+// load balance, sync and async (whose projection hooks apply the QK-norm
+// and the rotation before their collectives start: Note [Rotary before the
+// exchange]; no collective falls back to the synchronous path).
 #include <catch2/catch.hpp>
 
 #include "tandem/autograd/nn/attention.h"
 #include "tandem/autograd/ops.h"
 #include "tandem/comm/threads/threads_backend.h"
 #include "tandem/parallel/context_parallel.h"
+#include "tandem/runtime/logging.h"
 #include "tests/support/rank_checks.h"
 #include "tests/support/test_device.h"
 
@@ -52,7 +54,11 @@ TEST_CASE("a rotary attention layer under every CP mode equals the single-rank l
       {"ring-lb", 4, 1, true, true, false, 19},
       {"hybrid", 4, 2, false, false, false, 14},
       {"async-ulysses", 4, 4, false, false, true, 16},
+      {"async-ulysses", 2, 2, false, false, true, 15},
+      {"async-allgather", 4, 1, false, false, true, 16},
       {"async-allgather-lb", 4, 1, false, true, true, 13},
+      {"async-hybrid", 4, 2, false, false, true, 14},
+      {"async-ring", 4, 1, true, true, true, 19},
   };
   for (const RopeCase& c : cases) {
     INFO(c.name << " cp=" << c.cp << " S=" << c.seq);
@@ -68,6 +74,7 @@ TEST_CASE("a rotary attention layer under every CP mode equals the single-rank l
     backward(sum(mul(out_ref, w)));
 
     tandem::testing::RankChecks rc;
+    LogCapture log;
     run_ranks(c.cp, [&](ProcessGroupPtr pg) {
       const int r = pg->rank();
       DeviceMesh mesh(pg, {c.cp}, {"cp"}, {}, test::test_device());
@@ -107,5 +114,6 @@ TEST_CASE("a rotary attention layer under every CP mode equals the single-rank l
       }
     });
     rc.report();
+    CHECK(log.matching("synchronous").empty());
   }
 }

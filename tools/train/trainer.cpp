@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -99,12 +100,10 @@ struct Rank {
 // Whether the CP layers are AsyncContextParallel's (--cp-async on or auto):
 // Ulysses, all-gather KV and hybrid. Ring keeps its transfers in flight
 // behind each block's compute in any case (Note [Ring backward in flight]).
-// The llama model rotates q and k between projection and attention, where
-// the async path would have them in flight (Note [Async CP fallback]): auto
-// is off there, and validate() refuses on.
+// The llama model's QK-norm and rotary embedding move into the projection
+// hooks (Note [Rotary before the exchange]).
 bool cp_async(const TrainOptions& o) {
-  return o.cp > 1 && o.cp_mode != "ring" && o.cp_async != "off" &&
-         (o.model_type != "llama" || o.cp_async == "on");
+  return o.cp > 1 && o.cp_mode != "ring" && o.cp_async != "off";
 }
 
 std::string layout_string(const TrainOptions& o, int world) {
@@ -261,6 +260,11 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
   const double replicas = static_cast<double>(o.dp * o.ep * o.cp);
   std::vector<MicroStats> stats(static_cast<size_t>(o.micro_batches));
   const std::vector<int64_t> positions = sequence_positions(S, o.cp, r.cp_rank, o.load_balance);
+  // Every CP rank's length, declared so that no CP layer gathers it (Note
+  // [Sequence layout as data]).
+  const std::optional<DeviceMesh> cp_mesh =
+      o.cp > 1 ? std::optional<DeviceMesh>(r.mesh.slice("cp")) : std::nullopt;
+  const SequenceLayout cp_layout = shard_sequence_layout(S, o.cp, o.load_balance);
 
   auto forward = [&](int i) {
     if (i == 1) {
@@ -275,7 +279,10 @@ StepStats run_step(Rank& r, int64_t step, const optim::CosineSchedule& schedule,
       tokens = ops::to(tokens, r.device);
       targets = ops::to(targets, r.device);
     }
+    std::optional<SequenceLayoutScope> declared;
+    if (cp_mesh) declared.emplace(*cp_mesh, cp_layout);
     const auto [logits, aux_loss] = r.model->forward(tokens, positions);
+    declared.reset();
     const int64_t V = logits.shape()[2];
     Tensor flat_logits = reshape(logits, Shape{-1, V});
     if (flat_logits.dtype() != DType::F32) flat_logits = to(flat_logits, DType::F32);

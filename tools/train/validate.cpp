@@ -130,10 +130,6 @@ void validate(const TrainOptions& o, int world_size) {
                "[train] --cp-async on expects --cp-mode ulysses, allgather or hybrid (ring keeps "
                "its transfers in flight behind each block in any case), got '{}'",
                o.cp_mode);
-  TANDEM_CHECK(o.cp_async != "on" || o.model_type != "llama",
-               "[train] --cp-async on launches the CP collectives from the q/k/v projections, "
-               "but --model llama rotates q and k between projection and attention: expected "
-               "--cp-async auto or off");
   TANDEM_CHECK(!o.load_balance || o.cp_mode == "allgather" || o.cp_mode == "ring",
                "[train] --cp-load-balance applies to --cp-mode allgather or ring, got '{}'",
                o.cp_mode);
