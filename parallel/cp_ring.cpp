@@ -20,10 +20,20 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// A BSHD tensor as BHSD (the kernels' order) and back; BNSD tensors are
-// BHSD already.
-Tensor swap_heads(const Tensor& t, bool bnsd) {
-  return ops::contiguous(bnsd ? t : ops::transpose(t, 1, 2));
+// Note [Ring layouts]
+// ~~~~~~~~~~~~~~~~~~~
+// The attention kernels take any strides with a unit last dim, so the ring
+// never copies a tensor into another layout: q, k, v, the output, dout and
+// the gradients stay in the layer's layout (BSHD or BNSD), contiguous where
+// they travel (the K/V blocks, the dK/dV accumulators) and the output as it
+// is returned, and the kernels see them through heads_major() views. The
+// saved q/k/v are views of the inputs and the saved output one of the output
+// the layer returns (which the o projection keeps for its own backward), so
+// no activation is held twice.
+
+// A tensor of the layer's layout as (B, H, S, D): a view.
+Tensor heads_major(const Tensor& t, bool bnsd) {
+  return bnsd ? t : ops::transpose(t, 1, 2);
 }
 
 // Merges (out2, lse2) into (out1, lse1): the log-sum-exp rule, -inf safe.
@@ -48,7 +58,9 @@ struct RingAttention final : Function {
   bool load_balance = false;
   bool bnsd = false;             // q, k, v and the output are (B, H, S, D), else (B, S, H, D)
   std::vector<int64_t> lengths;  // every rank's local length
-  Tensor saved_q, saved_k, saved_v, saved_out, saved_lse;  // BHSD
+  // q, k, v and the output in the layer's layout (Note [Ring layouts]);
+  // the log-sum-exp (B, H, S).
+  Tensor saved_q, saved_k, saved_v, saved_out, saved_lse;
 
   const char* name() const override { return "RingAttentionBackward"; }
 
@@ -74,12 +86,17 @@ struct RingAttention final : Function {
     }
     return o;
   }
-  Tensor pad(const Tensor& t, int64_t len) const {  // BHSD along S
-    if (t.shape()[2] == len) return t;
+  int64_t seq_dim() const { return bnsd ? 2 : 1; }  // in the layer's layout
+  // `t` (the layer's layout) padded with zeros along S to `len`, contiguous
+  // (the blocks travel as they are).
+  Tensor pad(const Tensor& t, int64_t len) const {
+    if (t.shape()[seq_dim()] == len) return ops::contiguous(t);
     Shape s = t.shape();
-    s[2] = len - t.shape()[2];
-    return ops::cat({t, ops::zeros(s, t.dtype(), t.device())}, 2);
+    s[seq_dim()] = len - t.shape()[seq_dim()];
+    return ops::cat({t, ops::zeros(s, t.dtype(), t.device())}, seq_dim());
   }
+  // A zero tensor shaped like `t` (the layer's layout), f32.
+  static Tensor zeros_f32(const Tensor& t) { return ops::zeros(t.shape(), DType::F32, t.device()); }
   // Launches the exchange of `tensors` with the ring neighbours: sent to the
   // next rank, received from the previous one.
   WorkPtr exchange(const std::vector<Tensor>& tensors, const char* tag) const {
@@ -94,7 +111,7 @@ struct RingAttention final : Function {
 
   std::vector<Tensor> forward(FunctionCtx&, const std::vector<Tensor>& in) override {
     const int n = group->size(), me = group->rank();
-    Tensor q = swap_heads(in[0], bnsd), k = swap_heads(in[1], bnsd), v = swap_heads(in[2], bnsd);
+    const Tensor q = heads_major(in[0], bnsd);  // Note [Ring layouts]
     const int64_t max_len = *std::max_element(lengths.begin(), lengths.end());
     std::vector<SeqPiece> qp = pieces(me);
     std::vector<int64_t> qo = local_offsets(qp);
@@ -104,19 +121,20 @@ struct RingAttention final : Function {
       out[i] = ops::zeros({qs[0], qs[1], qp[i].length, qs[3]}, DType::F32, q.device());
       lse[i] = ops::full({qs[0], qs[1], qp[i].length}, -kInf, DType::F32, q.device());
     }
-    Tensor cur_k = pad(k, max_len), cur_v = pad(v, max_len);
+    Tensor cur_k = pad(in[1], max_len), cur_v = pad(in[2], max_len);
     for (int s = 0; s < n; ++s) {
       const int src = (me - s + n) % n;
       WorkPtr next =
           s + 1 < n ? exchange({cur_k, cur_v}, "ring kv") : nullptr;  // overlaps the compute
       std::vector<SeqPiece> kp = pieces(src);
       std::vector<int64_t> ko = local_offsets(kp);
+      const Tensor k = heads_major(cur_k, bnsd), v = heads_major(cur_v, bnsd);
       for (size_t i = 0; i < qp.size(); ++i) {
         for (size_t j = 0; j < kp.size(); ++j) {
           if (!visible(qp[i], kp[j])) continue;
           AttentionResult r = ops::scaled_dot_product_attention(
-              ops::narrow(q, 2, qo[i], qp[i].length), ops::narrow(cur_k, 2, ko[j], kp[j].length),
-              ops::narrow(cur_v, 2, ko[j], kp[j].length), piece_options(qp[i], kp[j]));
+              ops::narrow(q, 2, qo[i], qp[i].length), ops::narrow(k, 2, ko[j], kp[j].length),
+              ops::narrow(v, 2, ko[j], kp[j].length), piece_options(qp[i], kp[j]));
           merge(out[i], lse[i], ops::to(r.out, DType::F32), r.lse);
         }
       }
@@ -127,13 +145,19 @@ struct RingAttention final : Function {
       }
     }
     Tensor o = out.size() == 1 ? out[0] : ops::cat(out, 2);
-    Tensor l = lse.size() == 1 ? lse[0] : ops::cat(lse, 2);
-    saved_q = q;
-    saved_k = k;
-    saved_v = v;
-    saved_out = ops::to(o, q.dtype());
-    saved_lse = l;
-    return {swap_heads(saved_out, bnsd)};
+    out.clear();
+    // The output in the layer's layout, contiguous; the kernels read it
+    // back through a view (Note [Ring layouts]).
+    Tensor result = ops::contiguous(heads_major(ops::to(o, q.dtype()), bnsd));
+    o = Tensor();
+    // Detached: the same storage without the autograd history (a member
+    // holding the output itself would tie the node to itself).
+    saved_q = detach(in[0]);
+    saved_k = detach(in[1]);
+    saved_v = detach(in[2]);
+    saved_out = detach(result);
+    saved_lse = lse.size() == 1 ? lse[0] : ops::cat(lse, 2);
+    return {result};
   }
 
   // Note [Ring backward in flight]
@@ -151,11 +175,14 @@ struct RingAttention final : Function {
   // accumulators go home (to the next rank, their owner).
   std::vector<Tensor> backward(FunctionCtx&, const std::vector<Tensor>& g) override {
     const int n = group->size(), me = group->rank();
-    Tensor dout = swap_heads(g[0], bnsd);
+    // Views in the kernels' (B, H, S, D) order of tensors in the layer's
+    // layout (Note [Ring layouts]).
+    const Tensor dout = heads_major(g[0], bnsd), q = heads_major(saved_q, bnsd),
+                 out = heads_major(saved_out, bnsd);
     const int64_t max_len = *std::max_element(lengths.begin(), lengths.end());
     std::vector<SeqPiece> qp = pieces(me);
     std::vector<int64_t> qo = local_offsets(qp);
-    Tensor dq = ops::zeros(saved_q.shape(), DType::F32, saved_q.device());
+    const Tensor dq_buf = zeros_f32(saved_q), dq = heads_major(dq_buf, bnsd);
     Tensor cur_k = pad(saved_k, max_len), cur_v = pad(saved_v, max_len);
     Tensor dk, dv;     // the accumulators of the block this step holds
     WorkPtr arriving;  // they are on their way from the previous rank
@@ -169,14 +196,15 @@ struct RingAttention final : Function {
         Tensor dk, dv;
       };
       std::vector<PairGrads> pairs;
+      const Tensor k = heads_major(cur_k, bnsd), v = heads_major(cur_v, bnsd);
       for (size_t i = 0; i < qp.size(); ++i) {
         for (size_t j = 0; j < kp.size(); ++j) {
           if (!visible(qp[i], kp[j])) continue;
-          auto q_i = ops::narrow(saved_q, 2, qo[i], qp[i].length);
-          auto k_j = ops::narrow(cur_k, 2, ko[j], kp[j].length);
-          auto v_j = ops::narrow(cur_v, 2, ko[j], kp[j].length);
+          auto q_i = ops::narrow(q, 2, qo[i], qp[i].length);
+          auto k_j = ops::narrow(k, 2, ko[j], kp[j].length);
+          auto v_j = ops::narrow(v, 2, ko[j], kp[j].length);
           std::vector<Tensor> grads = attention_backward(
-              q_i, k_j, v_j, ops::narrow(saved_out, 2, qo[i], qp[i].length),
+              q_i, k_j, v_j, ops::narrow(out, 2, qo[i], qp[i].length),
               ops::narrow(saved_lse, 2, qo[i], qp[i].length),
               ops::narrow(dout, 2, qo[i], qp[i].length), piece_options(qp[i], kp[j]));
           ops::copy_(ops::narrow(dq, 2, qo[i], qp[i].length),
@@ -189,12 +217,12 @@ struct RingAttention final : Function {
         dk = arriving->results()[0];
         dv = arriving->results()[1];
       } else {
-        dk = ops::zeros(cur_k.shape(), DType::F32, cur_k.device());
-        dv = ops::zeros(cur_v.shape(), DType::F32, cur_v.device());
+        dk = zeros_f32(cur_k);
+        dv = zeros_f32(cur_v);
       }
       for (const PairGrads& p : pairs) {
-        Tensor dk_j = ops::narrow(dk, 2, ko[p.j], kp[p.j].length);
-        Tensor dv_j = ops::narrow(dv, 2, ko[p.j], kp[p.j].length);
+        Tensor dk_j = ops::narrow(heads_major(dk, bnsd), 2, ko[p.j], kp[p.j].length);
+        Tensor dv_j = ops::narrow(heads_major(dv, bnsd), 2, ko[p.j], kp[p.j].length);
         ops::copy_(dk_j, ops::add(dk_j, p.dk));
         ops::copy_(dv_j, ops::add(dv_j, p.dv));
       }
@@ -209,11 +237,11 @@ struct RingAttention final : Function {
     dk = arriving->results()[0];
     dv = arriving->results()[1];
     const int64_t mine = lengths[me];
-    auto back = [&](const Tensor& t, const Tensor& like) {
-      return swap_heads(ops::to(ops::narrow(t, 2, 0, mine), like.dtype()), bnsd);
+    auto back = [&](const Tensor& t) {
+      return ops::contiguous(ops::to(ops::narrow(t, seq_dim(), 0, mine), g[0].dtype()));
     };
     saved_q = saved_k = saved_v = saved_out = saved_lse = Tensor();
-    return {swap_heads(ops::to(dq, g[0].dtype()), bnsd), back(dk, g[0]), back(dv, g[0])};
+    return {ops::to(dq_buf, g[0].dtype()), back(dk), back(dv)};
   }
 };
 
