@@ -237,12 +237,13 @@ void ContextParallel::apply(const std::shared_ptr<nn::CoreAttention>& core,
 
 std::shared_ptr<CPRuntime> ContextParallel::install(const std::shared_ptr<nn::CoreAttention>& core,
                                                     const DeviceMesh& mesh,
-                                                    bool collectives_in_pre_hook) const {
+                                                    bool collectives_in_pre_hook,
+                                                    bool output_in_kernel) const {
   check_options(*this, core, mesh);
   std::shared_ptr<CPRuntime> rt = make_runtime(core, mesh, static_cast<int>(ulysses_degree));
   if (collectives_in_pre_hook) register_layout_pre_hook(core, *this, rt);
   set_attention_kernel(core, *this, rt);
-  if (rt->ds > 1) register_output_hook(core, *this, rt);
+  if (rt->ds > 1 && !output_in_kernel) register_output_hook(core, *this, rt);
   return rt;
 }
 

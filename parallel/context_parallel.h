@@ -98,9 +98,12 @@ struct ContextParallel {
                  const DTensor& v, const std::string& cp_dim) const;
 
   // apply() without the collectives of the pre-hook (AsyncContextParallel
-  // launches them from the projections instead); returns the shared runtime.
+  // launches them from the projections instead) and, with output_in_kernel,
+  // without Ulysses' output all-to-all after the kernel (AsyncContextParallel's
+  // kernel sends the output in head chunks); returns the shared runtime.
   std::shared_ptr<CPRuntime> install(const std::shared_ptr<nn::CoreAttention>& core,
-                                     const DeviceMesh& mesh, bool collectives_in_pre_hook) const;
+                                     const DeviceMesh& mesh, bool collectives_in_pre_hook,
+                                     bool output_in_kernel = false) const;
 };
 
 // The async variant (DESIGN §7): the q/k/v projections' forward hooks launch
@@ -110,7 +113,9 @@ struct ContextParallel {
 // gradient exists — all three before any is waited on — and waited just
 // before the projection's GEMM (each collective is an Exchange of
 // parallel/collectives.h). Communication thus overlaps the projection GEMMs
-// in both directions. Results are identical to ContextParallel's. Supports
+// in both directions. Ulysses' and hybrid's output all-to-all leaves in head
+// chunks, each as soon as its attention is done (Note [Ulysses output in
+// chunks] in cp_async.cpp). Results are identical to ContextParallel's. Supports
 // Ulysses (ulysses_degree == cp), all-gather KV (ulysses_degree == 1, with
 // or without load balance) and hybrid (q over the ds group, K/V in one
 // all-to-all over the CP group: Note [Async hybrid in one collective] in

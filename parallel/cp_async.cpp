@@ -376,6 +376,83 @@ void register_join_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
   });
 }
 
+// Note [Ulysses output in chunks]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// After the attention, Ulysses (and hybrid, over its ds group) sends the
+// output back from head- to sequence-sharded, and the o projection needs all
+// of it: issued after the
+// kernel, that all-to-all is exposed in full, in forward and (its reverse, on
+// the output's gradient) in backward. The async layer's kernel therefore
+// attends in kOutputChunks chunks of this rank's heads (q heads and their KV
+// heads; one chunk when either count does not divide) and starts each
+// chunk's all-to-all as an Exchange as soon as the chunk's output exists, so
+// it travels while the next chunk computes. The Launches and Waits are
+// recorded after every chunk's Open: in backward all the reverse all-to-alls
+// start before the first Open waits, and the first chunk's gradient travels
+// while the last chunk's attention backward runs. Each chunk arrives with
+// every rank's heads of that chunk, rank-major; one copy interleaves them
+// into the heads' order. Attention is per head and the rest moves data, so
+// the bits are the synchronous layer's.
+constexpr int64_t kOutputChunks = 2;
+
+// The kernel of Ulysses and hybrid (ds > 1).
+Tensor chunked_ulysses_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const AttentionOptions& options, const Args& args,
+                                 const ContextParallel& cfg, const CPRuntime& rt) {
+  const int64_t sd = cfg.seq_dim, hd = cfg.head_dim;
+  const bool bnsd = sd == 2;
+  const ProcessGroupPtr group = rt.ds_group;
+  const std::vector<int64_t> all = cp_detail::layout_of(args).lengths;
+  const int cp_rank = rt.cp_group->rank();
+  const std::vector<int64_t> lengths = cp_detail::ds_block_lengths(all, cp_rank, rt.ds);
+  // The queries are the whole sequence of this rank's ds block (hybrid: one
+  // block of several; Ulysses: the only one), the keys the whole sequence.
+  int64_t q_start = 0;
+  for (int r = 0; r < cp_rank / rt.ds * rt.ds; ++r)
+    q_start += all[static_cast<size_t>(r)];
+  auto heads_first = [bnsd](const Tensor& t) { return bnsd ? t : transpose(t, 1, 2); };
+  const int64_t hq = q.shape()[hd], hkv = k.shape()[hd];
+  const int64_t chunks = hq % kOutputChunks == 0 && hkv % kOutputChunks == 0 ? kOutputChunks : 1;
+  AttentionOptions o = options;
+  o.q_offset = q_start;
+  o.k_offset = 0;
+  std::vector<std::shared_ptr<Exchange>> exchanges;
+  std::vector<Tensor> pieces;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t hc = hq / chunks, kc = hkv / chunks;
+    AttentionResult r = scaled_dot_product_attention(heads_first(narrow(q, hd, c * hc, hc)),
+                                                     heads_first(narrow(k, hd, c * kc, kc)),
+                                                     heads_first(narrow(v, hd, c * kc, kc)), o);
+    auto ex = std::make_shared<Exchange>();
+    ex->what = "the async Ulysses output all-to-all";
+    ex->forward = [=](const Tensor& t) {
+      return launch_all_to_all(t, group, sd, hd, lengths, {}, "async cp out");
+    };
+    ex->backward = [=](const Tensor& g) {
+      return launch_all_to_all(g, group, hd, sd, {}, lengths, "async cp out grad");
+    };
+    Tensor opened = exchange_open(ex, heads_first(r.out));
+    exchange_start(ex, opened);
+    exchanges.push_back(ex);
+    pieces.push_back(opened);
+  }
+  for (int64_t c = 0; c < chunks; ++c)
+    pieces[c] = exchange_launch(exchanges[c], pieces[c]);
+  for (int64_t c = 0; c < chunks; ++c)
+    pieces[c] = exchange_wait(exchanges[c], pieces[c]);
+  if (chunks == 1) return pieces[0];
+  // pieces[c]: heads [rank 0's chunk c, rank 1's chunk c, ...] along hd.
+  const int64_t ranks = group->size();
+  std::vector<int64_t> merged = pieces[0].shape().vec(), split = merged;
+  merged[hd] *= chunks;
+  split[hd] /= ranks;
+  split.insert(split.begin() + hd, {ranks, 1});
+  for (Tensor& p : pieces)
+    p = reshape(p, Shape(split));
+  // (.., ranks, chunks, heads of a chunk, ..): each rank's heads in order.
+  return reshape(cat(pieces, hd + 1), Shape(merged));
+}
+
 }  // namespace
 
 // Note [Rotary before the exchange]
@@ -447,7 +524,14 @@ std::vector<int> AsyncContextParallel::apply(const std::shared_ptr<nn::CoreAtten
     config.apply(core, mesh);
     return {};
   }
-  std::shared_ptr<CPRuntime> rt = config.install(core, mesh, false);
+  std::shared_ptr<CPRuntime> rt = config.install(core, mesh, false, ulysses);
+  if (ulysses) {  // Note [Ulysses output in chunks]
+    const ContextParallel cfg = config;
+    core->set_kernel([cfg, rt](const Tensor& q, const Tensor& k, const Tensor& v,
+                               const AttentionOptions& options, const Args& args) {
+      return chunked_ulysses_attention(q, k, v, options, args, cfg, *rt);
+    });
+  }
   AsyncLayer layer;
   layer.handoff = std::make_shared<Handoff>();
   layer.rt = rt;
