@@ -206,9 +206,13 @@ std::vector<Tensor> SelfAttention::forward(Args& args) {
   auto split_heads = [&](const Tensor& y) {
     return reshape(y, Shape{B, S, y.shape()[2] / head_dim_, head_dim_});
   };
-  Tensor q = split_heads((*q_proj_)(x));
+  // k and v first: where hooks start collectives on the projections'
+  // outputs (asynchronous context parallelism), theirs travel while q's
+  // projection computes, forward and (in reverse) backward, and all-gather
+  // KV exchanges nothing for q.
   Tensor k = split_heads((*k_proj_)(x));
   Tensor v = split_heads((*v_proj_)(x));
+  Tensor q = split_heads((*q_proj_)(x));
   Tensor cos, sin;
   if (rope_ && !(prepared_by_hooks_[0] && prepared_by_hooks_[1]))
     std::tie(cos, sin) = rotary_tables(*rope_, S, x.dtype(), x.device(), "nn::SelfAttention");
