@@ -276,9 +276,9 @@ void register_launch_hook(const std::shared_ptr<Module>& proj, int i, const Asyn
 //   - at apply(): a projection is missing, or one module stands for two of
 //     q/k/v (a fused QKV projection) — the whole layer is ContextParallel's;
 //   - per forward and tensor: something is computed between the projection
-//     and the attention (a rotary embedding, a norm: nn::SelfAttention moves
-//     its own into the hook, Note [Rotary before the exchange]), or the projection's
-//     output is not (B, S, heads * head_size). That tensor's collective runs
+//     and the attention (a rotary embedding, a norm: nn::SelfAttention
+//     moves its own into the hook, Note [Rotary before the exchange]), or
+//     the projection's output is not (B, S, heads * head_size). That tensor's collective runs
 //     in the attention pre-hook as in ContextParallel; the others stay async.
 //     A collective the projection hook started on an output that never
 //     reached the attention is waited and dropped there (every rank started
@@ -380,19 +380,16 @@ void register_join_pre_hook(const std::shared_ptr<nn::CoreAttention>& core,
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // After the attention, Ulysses (and hybrid, over its ds group) sends the
 // output back from head- to sequence-sharded, and the o projection needs all
-// of it: issued after the
-// kernel, that all-to-all is exposed in full, in forward and (its reverse, on
-// the output's gradient) in backward. The async layer's kernel therefore
-// attends in kOutputChunks chunks of this rank's heads (q heads and their KV
-// heads; one chunk when either count does not divide) and starts each
-// chunk's all-to-all as an Exchange as soon as the chunk's output exists, so
-// it travels while the next chunk computes. The Launches and Waits are
-// recorded after every chunk's Open: in backward all the reverse all-to-alls
-// start before the first Open waits, and the first chunk's gradient travels
-// while the last chunk's attention backward runs. Each chunk arrives with
-// every rank's heads of that chunk, rank-major; one copy interleaves them
-// into the heads' order. Attention is per head and the rest moves data, so
-// the bits are the synchronous layer's.
+// of it: issued after the kernel, that all-to-all is exposed in full, in
+// forward and (its reverse, on the output's gradient) in backward. The async layer's kernel
+// therefore attends in kOutputChunks chunks of this rank's heads (q heads and their KV heads; one
+// chunk when either count does not divide) and starts each chunk's all-to-all as an Exchange as
+// soon as the chunk's output exists, so it travels while the next chunk computes. The Launches and
+// Waits are recorded after every chunk's Open: in backward all the reverse all-to-alls start before
+// the first Open waits, and the first chunk's gradient travels while the last chunk's attention
+// backward runs. Each chunk arrives with every rank's heads of that chunk, rank-major; one copy
+// interleaves them into the heads' order. Attention is per head and the rest moves data, so the
+// bits are the synchronous layer's.
 constexpr int64_t kOutputChunks = 2;
 
 // The kernel of Ulysses and hybrid (ds > 1).
