@@ -133,11 +133,7 @@ std::vector<SeqPiece> local_query_pieces(const CPCallState& s, const CPRuntime& 
                                          bool load_balance, int64_t q_len) {
   std::vector<SeqPiece> pieces;
   if (rt.ds > 1) {
-    int64_t start = 0;
-    const int block = cp_rank / rt.ds;
-    for (int r = 0; r < block * rt.ds; ++r)
-      start += s.lengths[r];
-    pieces.push_back({start, q_len});
+    pieces.push_back({cp_detail::ds_block_start(s.lengths, cp_rank, rt.ds), q_len});
   } else if (load_balance) {
     pieces = sequence_pieces(s.total, rt.cp, cp_rank, true);
   } else {

@@ -402,16 +402,14 @@ Tensor chunked_ulysses_attention(const Tensor& q, const Tensor& k, const Tensor&
   const std::vector<int64_t> all = cp_detail::layout_of(args).lengths;
   const int cp_rank = rt.cp_group->rank();
   const std::vector<int64_t> lengths = cp_detail::ds_block_lengths(all, cp_rank, rt.ds);
-  // The queries are the whole sequence of this rank's ds block (hybrid: one
-  // block of several; Ulysses: the only one), the keys the whole sequence.
-  int64_t q_start = 0;
-  for (int r = 0; r < cp_rank / rt.ds * rt.ds; ++r)
-    q_start += all[static_cast<size_t>(r)];
+
   auto heads_first = [bnsd](const Tensor& t) { return bnsd ? t : transpose(t, 1, 2); };
   const int64_t hq = q.shape()[hd], hkv = k.shape()[hd];
   const int64_t chunks = hq % kOutputChunks == 0 && hkv % kOutputChunks == 0 ? kOutputChunks : 1;
   AttentionOptions o = options;
-  o.q_offset = q_start;
+  // The queries are the whole sequence of this rank's ds block (hybrid: one
+  // block of several; Ulysses: the only one), the keys the whole sequence.
+  o.q_offset = cp_detail::ds_block_start(all, cp_rank, rt.ds);
   o.k_offset = 0;
   std::vector<std::shared_ptr<Exchange>> exchanges;
   std::vector<Tensor> pieces;

@@ -68,6 +68,8 @@ std::vector<int64_t> block_sums(const std::vector<int64_t>& lengths, int ds);
 
 // The lengths of the ds block (of adjacent ranks) that `rank` belongs to.
 std::vector<int64_t> ds_block_lengths(const std::vector<int64_t>& lengths, int rank, int ds);
+// Where that block's tokens start in the sequence.
+int64_t ds_block_start(const std::vector<int64_t>& lengths, int rank, int ds);
 
 // A load-balanced sequence gathered in rank order ([c0, c(2cp-1)], [c1,
 // c(2cp-2)], ...) put back in global order along `dim`. `lengths`: every

@@ -4,6 +4,7 @@
 // replicating KV heads for Ulysses and restoring the global order of a
 // load-balanced sequence (cp_internal.h).
 #include <algorithm>
+#include <numeric>
 
 #include "tandem/autograd/ops.h"
 #include "tandem/parallel/collectives.h"
@@ -170,6 +171,10 @@ std::vector<int64_t> block_sums(const std::vector<int64_t>& lengths, int ds) {
 std::vector<int64_t> ds_block_lengths(const std::vector<int64_t>& lengths, int rank, int ds) {
   return std::vector<int64_t>(lengths.begin() + (rank / ds) * ds,
                               lengths.begin() + (rank / ds + 1) * ds);
+}
+
+int64_t ds_block_start(const std::vector<int64_t>& lengths, int rank, int ds) {
+  return std::accumulate(lengths.begin(), lengths.begin() + (rank / ds) * ds, int64_t{0});
 }
 
 Tensor restore_sequence_order(const Tensor& gathered, int64_t dim,
