@@ -108,12 +108,14 @@ inline void store_row(const VecF* acc, float* out, int64_t nr, float alpha, floa
 }
 
 // C[mr x nr] = alpha * A B + (load_c ? beta * C : 0) for one kMR x kNR tile:
-// ap is a packed A micro-panel [kc][kMR], bp a packed B micro-panel [kc][kNR].
+// ap is a packed A micro-panel [kc][kMR] (or, kInPlace, kMR rows of A lda
+// floats apart: Note [GEMM A in place]), bp a packed B micro-panel [kc][kNR].
 // Never inlined: inside the packing loops of own_sgemm, GCC 12 no longer keeps
 // the accumulator tile in registers on AVX2 builds and spills it every k step.
-__attribute__((noinline)) void micro_kernel(int64_t kc, const float* ap, const float* bp, float* c,
-                                            int64_t ldc, int64_t mr, int64_t nr, float alpha,
-                                            float beta, bool load_c) {
+template <bool kInPlace>
+__attribute__((noinline)) void micro_kernel(int64_t kc, const float* ap, int64_t lda,
+                                            const float* bp, float* c, int64_t ldc, int64_t mr,
+                                            int64_t nr, float alpha, float beta, bool load_c) {
   if (load_c) {  // C's rows are far apart: start their loads before the k loop
     for (int64_t r = 0; r < mr; ++r) {
       for (int64_t v = 0; v < kNR; v += 64 / static_cast<int64_t>(sizeof(float)))
@@ -138,7 +140,7 @@ __attribute__((noinline)) void micro_kernel(int64_t kc, const float* ap, const f
     }
 #pragma GCC unroll 12
     for (int64_t r = 0; r < kMR; ++r) {
-      VecF av = simd::splat(ap[p * kMR + r]);
+      VecF av = simd::splat(kInPlace ? ap[r * lda + p] : ap[p * kMR + r]);
       TANDEM_IN_REGISTER(av);
       for (int64_t v = 0; v < kNV; ++v)
         acc[r][v] = simd::fma(av, b[v], acc[r][v]);
@@ -285,23 +287,52 @@ void pack_a(const float* a, int64_t lda, bool trans, int64_t i0, int64_t mr, int
   }
 }
 
+// Note [GEMM A in place]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// The micro-kernel reads one value of each of its kMR rows of A per k step and
+// broadcasts it: that load costs the same whether the value comes from a
+// packed panel or from the row-major matrix itself. Packing a row-major A is a
+// transpose (Note [CPU GEMM backend]), a few percent of a product whose n is
+// a few hundred (the k/v projections of a Llama layer, the input gradients).
+// So full tiles of a row-major A are read in place, kMR row streams instead of
+// one; a partial last tile is still packed (its zero rows), and so is a
+// transposed A, whose in-place reads would walk one row of the stored matrix
+// per k step. In place is only safe for the cache when the kMR rows do not
+// pile into a few L1 sets: a row stride of 4 KiB puts every row in one set,
+// where they evict each other and the B panel; rows_spread() asks for at most
+// 3 rows per set (64 sets of 64 bytes, the L1 of current x86 cores). The
+// arithmetic is the same FMAs in the same order: the bits do not change.
+bool rows_spread(int64_t lda) {
+  int per_set[64] = {};
+  for (int64_t r = 0; r < kMR; ++r) {
+    if (++per_set[(r * lda * int64_t{sizeof(float)} / 64) % 64] > 3) return false;
+  }
+  return true;
+}
+
 // Row tiles [t0, t1) of C for one packed block of B (k steps [pc, pc+kc),
 // columns [jc, jc+nc)); ap holds the packed A panels of the tiles from t_base
-// on, kc x kMR floats each.
-void compute_tiles(const float* ap, int64_t t_base, const float* bp, float* c, int64_t m,
-                   int64_t pc, int64_t kc, int64_t jc, int64_t nc, const GemmArgs& g, int64_t ldc,
-                   int64_t t0, int64_t t1) {
+// on, kc x kMR floats each, except the full tiles read in place from
+// a_in_place (row-major, lda) when it is not null.
+void compute_tiles(const float* ap, int64_t t_base, const float* a_in_place, int64_t lda,
+                   const float* bp, float* c, int64_t m, int64_t pc, int64_t kc, int64_t jc,
+                   int64_t nc, const GemmArgs& g, int64_t ldc, int64_t t0, int64_t t1) {
   const bool first = pc == 0;
   const bool load_c = !first || g.beta != 0.0f;
   const float beta = first ? g.beta : 1.0f;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t i0 = t * kMR, mr = std::min(kMR, m - i0);
-    const float* at = ap + (t - t_base) * kc * kMR;
+    const bool in_place = a_in_place != nullptr && mr == kMR;
+    const float* at = in_place ? a_in_place + i0 * lda + pc : ap + (t - t_base) * kc * kMR;
     for (int64_t j0 = 0; j0 < nc; j0 += kNR) {
       const float* bpp = bp + (j0 / kNR) * kc * kNR;
       float* cc = c + i0 * ldc + jc + j0;
       const int64_t nr = std::min(kNR, nc - j0);
-      micro_kernel(kc, at, bpp, cc, ldc, mr, nr, g.alpha, beta, load_c);
+      if (in_place) {
+        micro_kernel<true>(kc, at, lda, bpp, cc, ldc, mr, nr, g.alpha, beta, load_c);
+      } else {
+        micro_kernel<false>(kc, at, 0, bpp, cc, ldc, mr, nr, g.alpha, beta, load_c);
+      }
     }
   }
 }
@@ -323,18 +354,21 @@ void own_sgemm(const float* a, const float* b, float* c, int64_t m, int64_t n, i
     a_buf.resize(static_cast<size_t>(mc_tiles * kMR * kKC));
   }
   float* ap = a_buf.data();
+  // Note [GEMM A in place]: full tiles of a row-major A skip the packing.
+  const float* a_in_place = !g.trans_a && rows_spread(lda) ? a : nullptr;
   for (int64_t pc = 0; pc < k; pc += kKC) {
     const int64_t kc = std::min(kKC, k - pc);
     for (int64_t tc = 0; tc < tiles; tc += mc_tiles) {
       const int64_t tc_end = std::min(tiles, tc + mc_tiles);
       for (int64_t t = tc; t < tc_end; ++t) {
+        if (a_in_place != nullptr && (t + 1) * kMR <= m) continue;
         pack_a(a, lda, g.trans_a, t * kMR, std::min(kMR, m - t * kMR), pc, kc,
                ap + (t - tc) * kc * kMR);
       }
       for (int64_t jc = 0; jc < n; jc += kNC) {
         const int64_t nc = std::min(kNC, n - jc);
         pack_b(b, ldb, g.trans_b, pc, kc, jc, nc, bp);
-        compute_tiles(ap, tc, bp, c, m, pc, kc, jc, nc, g, ldc, tc, tc_end);
+        compute_tiles(ap, tc, a_in_place, lda, bp, c, m, pc, kc, jc, nc, g, ldc, tc, tc_end);
       }
     }
   }

@@ -254,19 +254,26 @@ TEST_CASE("f32 matmul across the kernel's cache blocks", "[matmul][threads]") {
   const Tensor an = tensor_of(a, {M, K}), bn = tensor_of(b, {K, N});
   const Tensor atv = ops::transpose(tensor_of(at, {K, M}), 0, 1);
   const Tensor btv = ops::transpose(tensor_of(bt, {N, K}), 0, 1);
+  // A's rows 4 KiB apart: packed, where the rows of `an` (2400 bytes apart)
+  // are read in place (Note [GEMM A in place]).
+  const Tensor wide = ops::zeros({M, 1024});
+  ops::copy_(ops::narrow(wide, 1, 0, K), an);
+  const Tensor a4k = ops::narrow(wide, 1, 0, K);
   // Note [CPU GEMM backend]: on every target an f32 product has the same bits
-  // at any thread count, alone or as an item of a batch.
+  // at any thread count, alone or as an item of a batch, and in any layout of
+  // its operands.
   std::vector<double> one_thread;
   for (int threads : {1, 2}) {
     ops::set_num_threads(threads);
     std::vector<double> first;
     for (const auto& [x, y, name] :
          {std::tuple{an, bn, "A B"}, std::tuple{atv, bn, "A^T B"}, std::tuple{an, btv, "A B^T"},
-          std::tuple{atv, btv, "A^T B^T"}}) {
+          std::tuple{atv, btv, "A^T B^T"}, std::tuple{a4k, bn, "A (rows 4 KiB apart) B"}}) {
       INFO(name << " on " << threads << " threads");
       std::vector<double> got = values_of(ops::matmul(x, y));
       TANDEM_REQUIRE_CLOSE(got, expected, 1e-5, 2e-6 * K);
       if (first.empty()) first = got;
+      REQUIRE(got == first);
     }
     // A batch of two different products: each item is computed on its own.
     const Tensor batch_a = ops::stack({an, ops::neg(an)}, 0);
